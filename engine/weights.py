@@ -1,0 +1,142 @@
+"""Hot-swap weights into a running vLLM server, with in-flight requests kept.
+
+A push, in order:
+1. (caller's side) the weights are written as safetensors to shared memory (`/dev/shm`), unless the
+   caller passes a file; writing there costs no disk I/O.
+2. stage: the server's worker reads and validates the file (names, shapes, finite values) while
+   it keeps generating. A refused push stops here: nothing was paused or applied.
+3. pause with mode `keep` and `clear_cache`: running requests freeze in the scheduler and their
+   KV/prefix cache is dropped, so after the swap they recompute under the new weights.
+4. apply: layer-wise reload from the staged tensors (the only reload path that works on the CPU
+   worker; about 0.35 s for 135M parameters).
+5. set the weight-version label (the learner step), so tokens sampled from now on carry it.
+6. resume. Steps 4-6 run in a `finally` that always resumes, so a failure never leaves the
+   server paused.
+
+`pause_s` is the wall time generation was paused (3 to 6); `reload_s` the apply step alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+SHM_DIR = "/dev/shm"
+
+
+class WeightPushError(RuntimeError):
+    """The server refused a push (nothing was applied) or the swap failed."""
+
+
+@dataclass
+class PushResult:
+    version: int
+    pause_s: float
+    reload_s: float
+    stage_s: float
+    write_s: float
+
+
+def write_weights(state_dict: Mapping, directory: str | None = None) -> Path:
+    """Write a state dict (name -> tensor, checkpoint names) as safetensors; returns the path."""
+    from safetensors.torch import save_file
+
+    directory = directory or (SHM_DIR if os.path.isdir(SHM_DIR) else None)
+    fd, path = tempfile.mkstemp(prefix="agentrl-weights-", suffix=".safetensors", dir=directory)
+    os.close(fd)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    save_file(tensors, path)
+    return Path(path)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, *, json_body=None, params=None) -> dict:
+    async with session.post(url, json=json_body, params=params) as resp:
+        text = await resp.text()
+        if resp.status >= 400:
+            raise WeightPushError(f"POST {url} -> HTTP {resp.status}: {text[:500]}")
+        return json.loads(text) if text else {}
+
+
+async def _rpc(session: aiohttp.ClientSession, base_url: str, method: str, *args: str) -> dict:
+    data = await _post(session, base_url + "/collective_rpc", json_body={"method": method, "args": list(args)})
+    results = data.get("results")
+    if not results:
+        raise WeightPushError(f"{method}: server returned no result ({data}); was it started with agentrl's worker extension?")
+    for result in results:  # one per worker; all must agree
+        if not isinstance(result, dict) or not result.get("ok"):
+            raise WeightPushError(f"{method} refused: {result.get('error') if isinstance(result, dict) else result}")
+    return results[0]
+
+
+async def push_weights(
+    base_url: str,
+    weights: str | Path | Mapping,
+    version: int,
+    *,
+    timeout_s: float = 300.0,
+) -> PushResult:
+    """Hot-swap `weights` (a safetensors path, or a state dict with checkpoint names) into the
+    server at `base_url` and label them `version`."""
+    base_url = base_url.rstrip("/")
+    write_s = 0.0
+    owned_file = None
+    if isinstance(weights, Mapping):
+        t0 = time.perf_counter()
+        owned_file = write_weights(weights)
+        write_s = time.perf_counter() - t0
+        path = owned_file
+    else:
+        path = Path(weights).resolve()
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            staged = await _rpc(session, base_url, "agentrl_stage_weights", str(path))
+            t_pause = time.perf_counter()
+            await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true"})
+            try:
+                applied = await _rpc(session, base_url, "agentrl_apply_staged")
+                await _post(session, base_url + "/update_weight_version", json_body={"new_version": str(int(version))})
+            finally:
+                await _post(session, base_url + "/resume")
+            pause_s = time.perf_counter() - t_pause
+    except aiohttp.ClientError as err:
+        raise WeightPushError(f"push to {base_url} failed: {type(err).__name__}: {err}") from err
+    finally:
+        if owned_file is not None:
+            owned_file.unlink(missing_ok=True)
+    return PushResult(int(version), pause_s, float(applied["reload_s"]), float(staged["stage_s"]), write_s)
+
+
+def push_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl push-weights", description="Hot-swap weights into a running server.")
+    parser.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--weights", required=True, help="safetensors file with checkpoint parameter names")
+    parser.add_argument("--version", type=int, default=None, help="policy version label (default: server's + 1)")
+    args = parser.parse_args(argv)
+
+    async def run() -> PushResult:
+        version = args.version
+        if version is None:
+            from agentrl.engine.inference import VLLMClient
+
+            async with VLLMClient(args.server) as client:
+                version = await client.weight_version() + 1
+        return await push_weights(args.server, args.weights, version)
+
+    try:
+        result = asyncio.run(run())
+    except WeightPushError as err:
+        print(f"agentrl push-weights: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(result)))
+    return 0
