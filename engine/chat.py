@@ -1,0 +1,91 @@
+"""Chat formatting as token ids (ChatML, SmolLM2's format) and the agent's system prompt.
+
+ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message. The boundary pieces are built as
+ids once (`<|im_start|>` and `<|im_end|>` are single special ids in SmolLM2's vocabulary: 1 and 2)
+and appended around separately tokenized contents; generated ids are appended exactly as sampled.
+Nothing is ever re-tokenized from decoded text, so the ids the learner sees are the ids the policy
+saw (Agent-R1 issue #30 traced GRPO NaNs to re-tokenization drift).
+
+Invariant: `tokenizer.decode(ids)` of an episode equals `render(messages)` of its messages, because
+every piece is either a boundary whose text is fixed or the ids of exactly one content string.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+@dataclass
+class ChatFormat:
+    tokenizer: object
+    """A Hugging Face tokenizer with ChatML special tokens."""
+
+    def __post_init__(self) -> None:
+        tok = self.tokenizer
+        self.im_start_id = tok.convert_tokens_to_ids(IM_START)
+        self.im_end_id = tok.convert_tokens_to_ids(IM_END)
+        if self.im_start_id in (None, tok.unk_token_id) or self.im_end_id in (None, tok.unk_token_id):
+            raise ValueError("the tokenizer has no ChatML tokens <|im_start|>/<|im_end|>; use a ChatML model (e.g. SmolLM2-Instruct, Qwen2.5-Instruct)")
+        self.newline_ids = self.encode("\n")
+        self._role_heads = {role: [self.im_start_id, *self.encode(role + "\n")] for role in ("system", "user", "assistant", "tool")}
+        self.turn_end_ids = [self.im_end_id, *self.newline_ids]
+        """`<|im_end|>\\n`: closes a message."""
+        self.assistant_head_ids = self._role_heads["assistant"]
+        """`<|im_start|>assistant\\n`: opens the policy's turn (the generation prompt)."""
+        self.stop_token_ids = sorted({self.im_end_id, *([tok.eos_token_id] if tok.eos_token_id is not None else [])})
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def message(self, role: str, content: str) -> list[int]:
+        return [*self.role_head(role), *self.encode(content), *self.turn_end_ids]
+
+    def role_head(self, role: str) -> list[int]:
+        if role not in self._role_heads:
+            self._role_heads[role] = [self.im_start_id, *self.encode(role + "\n")]
+        return self._role_heads[role]
+
+
+def render(messages: Sequence[tuple[str, str, str]]) -> str:
+    """The ChatML text of `messages`: (role, content, tail) triples, where tail is what closes the
+    message (`CLOSED` normally; `<|im_end|>` alone for a final action that stopped; "" for a message
+    still open)."""
+    return "".join(f"{IM_START}{role}\n{content}{tail}" for role, content, tail in messages)
+
+
+CLOSED = IM_END + "\n"
+
+
+SYSTEM_PROMPT_TEMPLATE = """You answer questions by searching a knowledge base. You may call these tools:
+<tools>
+{tools}
+</tools>
+To call a tool, write <tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call> and stop. The result comes back in a tool message. Look up one fact per search. When you know the answer, write it as <answer>short answer</answer>.
+
+Example.
+Question: Which city was the founder of Brimbell Optics born in?
+<tool_call>{{"name": "search", "arguments": {{"query": "founder of Brimbell Optics"}}}}</tool_call>
+Result: Brimbell Optics was founded by Oska Venn in 1987.
+<tool_call>{{"name": "search", "arguments": {{"query": "Oska Venn born"}}}}</tool_call>
+Result: Oska Venn was born in Lorrowby.
+<answer>Lorrowby</answer>"""
+
+
+def system_prompt(tool_schemas: Sequence[dict]) -> str:
+    """The agent's system prompt: tool list plus one worked example on made-up entities.
+
+    One worked example matters at 135M: 3/8 samples made a valid search call with it, 0/8 without
+    (ENVIRONMENT.md). Tools are listed as compact one-line JSON to keep the prompt near 250 tokens."""
+    lines = [json.dumps({"name": s["function"]["name"], "description": s["function"].get("description", ""),
+                         "parameters": s["function"].get("parameters", {})}, separators=(",", ":")) for s in tool_schemas]
+    return SYSTEM_PROMPT_TEMPLATE.format(tools="\n".join(lines))
+
+
+NAIVE_RAG_SYSTEM_PROMPT = """Answer the question using the passages. Write only the answer, as <answer>short answer</answer>."""
