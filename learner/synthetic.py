@@ -75,3 +75,18 @@ def make_group(
         for i, r in enumerate(task_rewards)
     ]
     return TrajectoryGroup(group_id=group_id, task_id="t-" + group_id, trajectories=trajs)
+
+
+def tiny_llama(vocab_size: int = 128, num_layers: int = 2, hidden_size: int = 32, seed: int = 0):
+    """A randomly initialised Llama causal LM with tied embeddings (SmolLM2's layout, tiny sizes)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)

@@ -1,0 +1,186 @@
+"""Packing trajectories into micro-batch rows by token budget, and the packed forward pass.
+
+Shape legend: T tokens of one trajectory, L tokens of one packed row (sum of its sequences' T),
+N rows of hidden states whose next token is an action (the only rows the LM head sees), H hidden
+size, V vocabulary size, S sequences in a row.
+
+Packing: sequences are placed first-fit-decreasing into rows of at most `max_row_tokens` tokens
+(one sequence longer than that gets a row of its own), so a row carries no padding at all. Within a
+row, position ids restart at 0 for every sequence; with `attention_mask=None`, `use_cache=False`
+and reset position ids, transformers 5.x (sdpa and eager attention) derives a block-diagonal causal
+mask from the position ids, so no token attends across sequences. Checked in
+`tests/test_learner_batching.py`: a packed row's hidden states equal each sequence's own forward
+to 1e-6. The price is attention over the whole row (O(L^2) scores, most masked); at the short rows
+used here (2048 tokens) the MLP/projection matmuls dominate, which is why packing beats one
+sequence per forward: see docs/notes/issue-6.md for the measured choice.
+
+Log-probs: the hidden state at position i predicts token i + 1. Only rows whose next token is an
+action are gathered (`gather_idx_N`) and sent with the LM head weight to
+`agentrl.kernels.linear_logprob`, which never materialises the [N, V] logits; prompt and
+observation positions never reach the LM head, so they get no gradient through it by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from agentrl.engine.trajectory import Trajectory
+from torch import nn
+
+Kernels = Literal["fused", "reference"]
+
+
+@dataclass
+class Sample:
+    """One trajectory with its token-level advantages, ready to pack."""
+
+    group_id: str
+    sample_index: int
+    trajectory: Trajectory
+    advantages_T: np.ndarray
+    """[T] float32, zero on non-action tokens."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.trajectory.num_tokens
+
+
+@dataclass
+class MicroBatch:
+    """One packed row. Tensors over L are the model's input; tensors over N are per action token."""
+
+    input_ids_L: torch.Tensor
+    position_ids_L: torch.Tensor
+    gather_idx_N: torch.Tensor
+    """int64 positions in the row whose hidden state predicts an action token."""
+    targets_N: torch.Tensor
+    """int64 the action token ids."""
+    behavior_logprobs_N: torch.Tensor
+    advantages_N: torch.Tensor
+    policy_versions_N: torch.Tensor
+    seq_ids_N: torch.Tensor
+    """int64 in [0, num_seqs): which sequence of this row the token belongs to."""
+    num_seqs: int
+    samples: list[Sample]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids_L.shape[0])
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.targets_N.shape[0])
+
+
+def pack_first_fit(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into rows of total <= max_row_tokens, first-fit decreasing."""
+    if max_row_tokens <= 0:
+        raise ValueError(f"max_row_tokens={max_row_tokens} must be > 0")
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_row_tokens - lengths[i])
+    return rows
+
+
+def build_micro_batches(samples: Sequence[Sample], max_row_tokens: int) -> list[MicroBatch]:
+    """Pack samples into rows (module docstring) and build the per-row tensors."""
+    rows = pack_first_fit([s.num_tokens for s in samples], max_row_tokens)
+    out = []
+    for row in rows:
+        ids, pos, gather, targets, behav, adv, versions, seq_ids = [], [], [], [], [], [], [], []
+        offset = 0
+        row_samples = [samples[i] for i in row]
+        for s_idx, sample in enumerate(row_samples):
+            traj = sample.trajectory
+            num_tokens = traj.num_tokens
+            # Token 0 has no predecessor; the trajectory contract puts the prompt first, so it is never an action.
+            action_T = np.flatnonzero(traj.is_action[1:]) + 1
+            ids.append(traj.token_ids.astype(np.int64))
+            pos.append(np.arange(num_tokens, dtype=np.int64))
+            gather.append(offset + action_T - 1)
+            targets.append(traj.token_ids[action_T].astype(np.int64))
+            behav.append(traj.behavior_logprobs[action_T])
+            adv.append(sample.advantages_T[action_T].astype(np.float32))
+            versions.append(traj.policy_versions[action_T].astype(np.int64))
+            seq_ids.append(np.full(action_T.shape[0], s_idx, dtype=np.int64))
+            offset += num_tokens
+        out.append(MicroBatch(
+            input_ids_L=torch.from_numpy(np.concatenate(ids)),
+            position_ids_L=torch.from_numpy(np.concatenate(pos)),
+            gather_idx_N=torch.from_numpy(np.concatenate(gather)),
+            targets_N=torch.from_numpy(np.concatenate(targets)),
+            behavior_logprobs_N=torch.from_numpy(np.concatenate(behav).astype(np.float32)),
+            advantages_N=torch.from_numpy(np.concatenate(adv)),
+            policy_versions_N=torch.from_numpy(np.concatenate(versions)),
+            seq_ids_N=torch.from_numpy(np.concatenate(seq_ids)),
+            num_seqs=len(row_samples),
+            samples=row_samples,
+        ))
+    return out
+
+
+def _logprob_fn(kernels: Kernels):
+    if kernels == "fused":
+        from agentrl.kernels.linear_logprob import linear_logprob
+
+        return linear_logprob
+    if kernels == "reference":
+        from agentrl.kernels.reference import linear_logprob_reference
+
+        return linear_logprob_reference
+    raise ValueError(f"kernels={kernels!r}: choose 'fused' or 'reference'")
+
+
+class PackedPolicy(nn.Module):
+    """A Hugging Face causal LM (plus an optional value head) evaluated on packed rows.
+
+    This module is the FSDP root: its forward runs the decoder and the LM head under one set of
+    FSDP hooks, so the (tied) LM head weight is unsharded while `linear_logprob` reads it.
+    """
+
+    def __init__(self, causal_lm: nn.Module, *, value_head: bool = False, kernels: Kernels = "fused",
+                 compute_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.lm = causal_lm
+        hidden_size = causal_lm.config.hidden_size
+        self.value_head = nn.Linear(hidden_size, 1) if value_head else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+        self.kernels = kernels
+        self._logprob = _logprob_fn(kernels)
+        self.compute_dtype = compute_dtype
+
+    def forward(
+        self,
+        input_ids_L: torch.Tensor,
+        position_ids_L: torch.Tensor,
+        gather_idx_N: torch.Tensor,
+        targets_N: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(logprobs_N float32, entropy_N or None, values_N or None) for the gathered positions."""
+        use_autocast = self.compute_dtype != torch.float32
+        with torch.autocast("cpu", dtype=self.compute_dtype, enabled=use_autocast):
+            out = self.lm.model(input_ids=input_ids_L[None], position_ids=position_ids_L[None], use_cache=False)
+        hidden_NH = out.last_hidden_state[0].index_select(0, gather_idx_N).to(self.compute_dtype)
+        weight_VH = self.lm.get_output_embeddings().weight.to(self.compute_dtype)
+        result = self._logprob(hidden_NH, weight_VH, targets_N, None, temperature, with_entropy)
+        logprobs_N, entropy_N = result if with_entropy else (result, None)
+        values_N = None
+        if self.value_head is not None:
+            values_N = self.value_head(hidden_NH.float())[:, 0]
+        return logprobs_N.float(), (entropy_N.float() if entropy_N is not None else None), values_N

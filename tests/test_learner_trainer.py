@@ -1,0 +1,183 @@
+"""Packing, the packed forward, the loss mask and the optimizer step on a tiny random Llama."""
+
+import numpy as np
+import pytest
+import torch
+from agentrl.engine.trajectory import TrajectoryGroup
+from agentrl.kernels.policy_loss import PolicyLossConfig
+from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages
+from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches, pack_first_fit
+from agentrl.learner.synthetic import make_group, make_trajectory, tiny_llama
+from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig, set_trainable
+
+VOCAB = 128
+
+
+def _samples(groups, advantages=None):
+    advantages = advantages or [[np.where(t.is_action, 1.0, 0.0).astype(np.float32) for t in g.trajectories]
+                                for g in groups]
+    return [Sample(g.group_id, t.sample_index, t, a) for g, advs in zip(groups, advantages, strict=True)
+            for t, a in zip(g.trajectories, advs, strict=True)]
+
+
+def test_pack_first_fit_respects_budget_and_places_everything_once():
+    lengths = [700, 300, 1200, 50, 900, 2000, 5000]
+    rows = pack_first_fit(lengths, 2048)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    for row in rows:
+        assert len(row) == 1 or sum(lengths[i] for i in row) <= 2048
+    assert rows == [[6], [5], [2, 0, 3], [4, 1]]  # 5000 alone, 2000 alone, 1200+700+50, 900+300
+
+
+def test_packed_row_matches_separate_forwards():
+    model = tiny_llama(VOCAB).eval()
+    policy = PackedPolicy(model, kernels="reference")
+    group = make_group("g", [1.0, 0.0, 1.0], turns=[(5, 3), (4, 0)], vocab_size=VOCAB)
+    samples = _samples([group])
+    [packed] = build_micro_batches(samples, max_row_tokens=10_000)
+    assert packed.num_seqs == 3 and packed.num_tokens == sum(s.num_tokens for s in samples)
+    with torch.no_grad():
+        lp_packed, _, _ = policy(packed.input_ids_L, packed.position_ids_L, packed.gather_idx_N, packed.targets_N)
+        separate = []
+        for s in samples:
+            [mb] = build_micro_batches([s], max_row_tokens=10_000)
+            separate.append(policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N)[0])
+        # The same numbers, straight from the HF logits: log p(token t+1 | tokens <= t) at action tokens.
+        s0 = samples[0].trajectory
+        logits = model(input_ids=torch.from_numpy(s0.token_ids.astype(np.int64))[None]).logits[0]
+        act = np.flatnonzero(s0.is_action)
+        direct = torch.log_softmax(logits, -1)[act - 1, torch.from_numpy(s0.token_ids[act].astype(np.int64))]
+    torch.testing.assert_close(lp_packed, torch.cat([separate[i] for i in packed_order(packed, samples)]),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(separate[0], direct, atol=1e-5, rtol=1e-5)
+
+
+def packed_order(packed, samples):
+    return [next(i for i, s in enumerate(samples) if s is ps) for ps in packed.samples]
+
+
+def test_observation_tokens_get_zero_gradient_and_loss_matches_masked_full_logits():
+    torch.manual_seed(0)
+    model = tiny_llama(VOCAB)
+    policy = PackedPolicy(model, kernels="reference")
+    rng = np.random.default_rng(1)
+    trajs = [make_trajectory(prompt_len=4, turns=[(3, 5), (4, 3)], task_reward=r, sample_index=i, vocab_size=VOCAB,
+                             behavior_logprob=-4.0, rng=rng) for i, r in enumerate([1.0, 0.0])]
+    group = TrajectoryGroup("g", "t", trajs)
+    advs = compute_advantages([group], RewardWeights(), AdvantageConfig("grpo"))[0]
+    [mb] = build_micro_batches(_samples([group], [advs]), max_row_tokens=4096)
+
+    captured = {}
+
+    def keep(_module, _inp, out):
+        out.retain_grad()
+        captured["hidden"] = out
+
+    handle = model.model.norm.register_forward_hook(keep)
+    trainer = Trainer(policy, TrainerConfig(precision="fp32", kernels="reference",
+                                            optimizer=OptimizerConfig(lr=1e-9, grad_clip=0.0)))
+    trainer.rl_step([mb])
+    handle.remove()
+    grad_LH = captured["hidden"].grad[0]
+    # Position i predicts token i + 1; the last position of each sequence predicts nothing.
+    predicts_action_L = torch.from_numpy(
+        np.concatenate([np.append(s.trajectory.is_action[1:], 0) for s in mb.samples]).astype(bool))
+    assert (grad_LH[~predicts_action_L] == 0).all(), "a prompt/observation position received gradient"
+    assert (grad_LH[predicts_action_L].abs().sum(-1) > 0).all()
+
+    # The same gradient from the full [L, V] logits with the action mask applied by hand: ratio 1 at the
+    # proximal point, so d loss = -sum_t A_t w_t d logp_t / num_action_tokens, w_t = min(exp(prox - behav), 2).
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    loss_terms, num_action = [], 0
+    for s in mb.samples:
+        traj = s.trajectory
+        ids = torch.from_numpy(traj.token_ids.astype(np.int64))
+        logp_TV = torch.log_softmax(model(input_ids=ids[None]).logits[0].float(), -1)
+        act = torch.from_numpy(np.flatnonzero(traj.is_action))
+        logp = logp_TV[act - 1, ids[act]]
+        w = torch.exp(logp.detach() - torch.from_numpy(traj.behavior_logprobs)[act]).clamp(max=2.0)
+        loss_terms.append(-(torch.from_numpy(s.advantages_T)[act] * w * logp).sum())
+        num_action += len(act)
+    (sum(loss_terms) / num_action).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _train(config, steps, samples, reward_weights=None, value_head=False, seed=0):
+    model = tiny_llama(VOCAB, seed=seed)
+    set_trainable(model, config.train_layers, config.train_embeddings)
+    trainer = Trainer(PackedPolicy(model, kernels=config.kernels, value_head=value_head,
+                                   compute_dtype=config.compute_dtype), config)
+    mbs = build_micro_batches(samples, config.max_row_tokens)
+    return model, trainer, [trainer.rl_step(mbs, reward_weights) for _ in range(steps)], mbs
+
+
+def _mean_logprob(trainer, mb):
+    with torch.no_grad():
+        lp, _, _ = trainer.policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N)
+    return [float(lp[mb.seq_ids_N == s].mean()) for s in range(mb.num_seqs)]
+
+
+@pytest.mark.parametrize("kernels", ["fused", "reference"])
+def test_rl_step_raises_logprob_of_positive_advantage_sample(kernels):
+    group = make_group("g", [1.0, 0.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
+    advs = compute_advantages([group], RewardWeights(), AdvantageConfig("grpo"))[0]
+    config = TrainerConfig(precision="fp32", kernels=kernels, optimizer=OptimizerConfig(lr=1e-2),
+                           loss=PolicyLossConfig(is_cap=None))
+    model, trainer, _, [mb] = _train(config, 0, _samples([group], [advs]))
+    before = _mean_logprob(trainer, mb)
+    stats = [trainer.rl_step([mb]) for _ in range(3)]
+    after = _mean_logprob(trainer, mb)
+    pos = next(i for i, s in enumerate(mb.samples) if s.trajectory.task_reward == 1.0)
+    assert after[pos] > before[pos] and after[1 - pos] < before[1 - pos]
+    assert stats[0].num_action_tokens == 22 and stats[0].num_seqs == 2
+    assert {"clip_frac_low", "clip_frac_high", "is_trunc_frac", "entropy"} <= set(stats[0].kernel_stats)
+
+
+def test_split_micro_batches_give_the_same_gradient_as_one():
+    groups = [make_group(f"g{i}", [1.0, 0.0, 0.5], turns=[(6, 3), (5, 0)], vocab_size=VOCAB, seed=i) for i in range(2)]
+    advs = compute_advantages(groups, RewardWeights(), AdvantageConfig("grpo"))
+    samples = _samples(groups, advs)
+    norms = []
+    for row_tokens in (10_000, 30):
+        config = TrainerConfig(precision="fp32", kernels="reference", max_row_tokens=row_tokens,
+                               optimizer=OptimizerConfig(lr=1e-9, grad_clip=0.0))
+        _, _, stats, mbs = _train(config, 1, samples)
+        norms.append(stats[0].grad_norm)
+        assert len(mbs) == (1 if row_tokens == 10_000 else 6)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+
+
+def test_sft_lowers_nll_and_bf16_runs():
+    group = make_group("gold", [1.0], turns=[(8, 2), (6, 0)], vocab_size=VOCAB)
+    samples = _samples([group])
+    for precision in ("fp32", "bf16"):
+        model = tiny_llama(VOCAB)
+        trainer = Trainer(PackedPolicy(model, compute_dtype=torch.bfloat16 if precision == "bf16" else torch.float32),
+                          TrainerConfig(precision=precision, optimizer=OptimizerConfig(lr=3e-2)))
+        mbs = build_micro_batches(samples, 4096)
+        losses = [trainer.sft_step(mbs).loss for _ in range(8)]
+        assert losses[-1] < losses[0] - 0.5, (precision, losses)
+
+
+def test_gae_with_value_head_fits_values():
+    group = make_group("g", [1.0, 0.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
+    config = TrainerConfig(precision="fp32", advantage=AdvantageConfig("gae", lam=0.9),
+                           optimizer=OptimizerConfig(lr=2e-2))
+    zeros = [[np.zeros(t.num_tokens, dtype=np.float32) for t in group.trajectories]]
+    _, _, stats, _ = _train(config, 8, _samples([group], zeros), RewardWeights(), value_head=True)
+    assert stats[-1].kernel_stats["value_loss"] < 0.5 * stats[0].kernel_stats["value_loss"]
+
+
+def test_top_k_layers_freeze_the_rest():
+    group = make_group("g", [1.0, 0.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
+    advs = compute_advantages([group], RewardWeights(), AdvantageConfig("grpo"))[0]
+    config = TrainerConfig(precision="fp32", train_layers=1, train_embeddings=False,
+                           optimizer=OptimizerConfig(lr=1e-2))
+    before = tiny_llama(VOCAB).state_dict()
+    model, _, _, _ = _train(config, 2, _samples([group], [advs]))
+    after = model.state_dict()
+    assert torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert not torch.equal(before["model.layers.1.mlp.up_proj.weight"], after["model.layers.1.mlp.up_proj.weight"])
