@@ -1,0 +1,165 @@
+"""`agentrl toolserver NAME ...` (run one service) and `agentrl tool call|describe ...` (use one).
+
+    agentrl toolserver calculator --bind tcp://127.0.0.1:5601
+    agentrl toolserver search --bind tcp://127.0.0.1:5602 --corpus passages.jsonl [--workers N] [--cache-dir DIR]
+    agentrl toolserver python --bind tcp://127.0.0.1:5603 [--workers N] [--memory-mb 1024] ...
+    agentrl tool call --endpoint tcp://127.0.0.1:5601 --tool calculator --args '{"expression": "1/3+1"}'
+    agentrl tool describe --endpoint tcp://127.0.0.1:5601
+
+A server prints `READY <endpoint>` on stdout once it accepts requests (a supervisor waits for that
+line; see process.py) and stops within a bounded time on SIGTERM/SIGINT. `--bind
+tcp://127.0.0.1:*` picks a free port; the READY line names it.
+
+`tool call` prints one JSON line, `{"ok": true, "content": ...}` or `{"ok": false, "error":
+{"type", "message"}}`, and exits 0 whenever the service answered; it exits 1 when no replica
+answered and 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+import zmq.auth
+
+from agentrl.toolservers.server import ServerConfig, Tool, ToolServer, configure_logging
+
+SERVICES = ("calculator", "search", "python")
+
+
+def _server_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="agentrl toolserver", description="Run one tool service.")
+    ap.add_argument("name", choices=SERVICES)
+    ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint (loopback by default)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="search: scoring threads (default 1); python: pre-started sandboxes (default 4)")
+    ap.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
+    ap.add_argument("--max-in-flight", type=int, default=ServerConfig.max_in_flight)
+    ap.add_argument("--curve-secret-key", help="this server's zmq.auth NAME.key_secret (needed off loopback)")
+    ap.add_argument("--curve-authorized-clients", help="directory of allowed clients' zmq.auth *.key files")
+    ap.add_argument("--log-level", default="INFO")
+    search = ap.add_argument_group("search")
+    search.add_argument("--corpus", help="JSONL of {id, title, text} passages")
+    search.add_argument("--cache-dir", help="where built indexes are cached")
+    py = ap.add_argument_group("python (sandbox limits)")
+    py.add_argument("--default-timeout-s", type=float, help="wall time of a call that names none")
+    py.add_argument("--max-timeout-s", type=float, help="largest wall time a call may ask for")
+    py.add_argument("--memory-mb", type=int, help="address-space limit per sandboxed process")
+    py.add_argument("--max-processes", type=int, help="processes per sandbox, including its supervisor")
+    py.add_argument("--max-file-mb", type=int, help="largest file a call may write")
+    py.add_argument("--tmpfs-mb", type=int, help="size of the sandbox's private /tmp")
+    py.add_argument("--max-output-bytes", type=int, help="stdout and stderr kept per call, each")
+    return ap
+
+
+def _build_tool(args: argparse.Namespace) -> Tool:
+    if args.name == "calculator":
+        from agentrl.toolservers.calculator import CalculatorTool
+
+        return CalculatorTool()
+    if args.name == "search":
+        from agentrl.toolservers.search import SearchConfig, SearchTool
+
+        if not args.corpus:
+            raise ValueError("search needs --corpus PATH.jsonl (one {id, title, text} object per line)")
+        cfg = SearchConfig(corpus_path=args.corpus, num_threads=args.workers or 1)
+        if args.cache_dir:
+            cfg.cache_dir = args.cache_dir
+        return SearchTool(cfg)
+    from agentrl.toolservers.sandbox import PythonTool, SandboxConfig
+
+    cfg = SandboxConfig()
+    overrides = {
+        "num_workers": args.workers,
+        "default_timeout_s": args.default_timeout_s,
+        "max_timeout_s": args.max_timeout_s,
+        "memory_bytes": args.memory_mb and args.memory_mb << 20,
+        "max_processes": args.max_processes,
+        "max_file_bytes": args.max_file_mb and args.max_file_mb << 20,
+        "tmpfs_bytes": args.tmpfs_mb and args.tmpfs_mb << 20,
+        "max_output_bytes": args.max_output_bytes,
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    return PythonTool(cfg)
+
+
+def serve_main(argv: list[str]) -> int:
+    args = _server_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    config = ServerConfig(
+        bind=args.bind,
+        max_request_bytes=args.max_request_bytes,
+        max_in_flight=args.max_in_flight,
+        curve_secret_key_file=args.curve_secret_key,
+        curve_authorized_clients_dir=args.curve_authorized_clients,
+    )
+    try:
+        config.validate()
+        tool = _build_tool(args)
+        server = ToolServer(config, [tool])
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        print(f"agentrl toolserver {args.name}: {exc}", file=sys.stderr)
+        return 2
+    server.serve()
+    return 0
+
+
+# --- client side ---------------------------------------------------------------------------------
+
+
+def _client_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="agentrl tool", description="Call or describe a running tool service.")
+    sub = ap.add_subparsers(dest="action", required=True)
+    for action in ("call", "describe"):
+        p = sub.add_parser(action)
+        p.add_argument("--endpoint", action="append", required=True, help="a replica; repeat for several")
+        p.add_argument("--timeout-s", type=float, default=30.0)
+        p.add_argument("--curve-server-key", help="the server's zmq.auth public NAME.key")
+        p.add_argument("--curve-client-key", help="this client's zmq.auth NAME.key_secret")
+        if action == "call":
+            p.add_argument("--tool", required=True)
+            p.add_argument("--args", required=True, help="the arguments as a JSON object")
+    return ap
+
+
+def tool_main(argv: list[str]) -> int:
+    from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
+
+    args = _client_parser().parse_args(argv)
+    curve: dict = {}
+    if args.curve_server_key or args.curve_client_key:
+        if not (args.curve_server_key and args.curve_client_key):
+            print("agentrl tool: CurveZMQ needs both --curve-server-key and --curve-client-key", file=sys.stderr)
+            return 2
+        server_public, _ = zmq.auth.load_certificate(args.curve_server_key)
+        client_public, client_secret = zmq.auth.load_certificate(args.curve_client_key)
+        curve = dict(curve_server_public_key=server_public, curve_client_public_key=client_public,
+                     curve_client_secret_key=client_secret)
+    if args.action == "call":
+        try:
+            tool_args = json.loads(args.args)
+        except json.JSONDecodeError as exc:
+            print(f"agentrl tool call: --args is not JSON: {exc}", file=sys.stderr)
+            return 2
+
+    async def run() -> object:
+        async with ToolClient(args.endpoint, request_timeout_s=args.timeout_s, **curve) as client:
+            if args.action == "describe":
+                return await client.describe()
+            resp = await client.call(args.tool, tool_args, deadline_s=args.timeout_s)
+            if resp.ok:
+                return {"ok": True, "content": resp.content}
+            assert resp.error is not None
+            return {"ok": False, "error": {"type": resp.error.type, "message": resp.error.message}}
+
+    try:
+        result = asyncio.run(run())
+    except ToolServiceUnavailable as exc:
+        print(f"agentrl tool: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result), flush=True)
+    return 0

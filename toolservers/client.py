@@ -1,0 +1,413 @@
+"""Async client for one tool service hosted by one or more replicas.
+
+Public API (the engine and the training supervisor code against exactly these names):
+
+    client = ToolClient(["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"], request_timeout_s=30.0)
+    async with client:                       # or: await client.start(); ...; await client.close()
+        specs = await client.describe()      # [{"type": "function", "function": {...}, "idempotent": bool}]
+        resp = await client.call("search", {"query": "who founded X", "top_k": 3}, deadline_s=10.0)
+        if resp.ok: use(resp.content)
+        else:       observe(resp.error.type, resp.error.message)
+
+- `ToolResponse(ok, content, error, server_latency_s, replica)`: one per call. A service-side
+  failure (bad arguments, a limit hit in the sandbox, an expression that divides by zero, a
+  deadline that passed) is a ToolResponse with ok=False and a `ToolError(type, message)`, never an
+  exception: the agent observes it like any tool result. `type` is one of protocol.E_*.
+- `ToolServiceUnavailable` is raised when the call cannot be delivered: no live replica, or the
+  replica running a non-idempotent call died (the call may or may not have run, so it is not
+  resent).
+- `deadline_s` is the call's time budget in seconds from now (default `request_timeout_s`). The
+  server answers `deadline_exceeded` when it cannot finish in time; if no reply at all arrives
+  within the budget plus `reply_grace_s`, the call returns ok=False, error type
+  `deadline_exceeded`, `server_latency_s` = 0.
+
+How replicas are used:
+- Each replica gets its own DEALER socket, so a reply is always matched against the requests sent
+  to that replica. A call goes to the live replica with the fewest calls in flight.
+- Liveness: every `heartbeat_interval_s` each replica is pinged; any reply refreshes it. A replica
+  is declared dead when nothing came back for `heartbeat_interval_s * heartbeat_misses`, or at
+  once when its TCP connection drops (socket monitor event, e.g. after SIGKILL).
+- On death the replica's socket is closed with linger 0 (so requests still queued in it are never
+  delivered to a later process at that endpoint) and its in-flight calls are resent to a live
+  replica if the tool is idempotent (from `describe`); otherwise they raise ToolServiceUnavailable.
+  The dead replica is probed with a fresh socket each heartbeat and rejoins when it answers.
+- Exactly once to the caller: a call's future is resolved once; a reply whose id is no longer
+  pending at that replica (it was resent elsewhere and answered there) is dropped and counted in
+  `stats["num_late_replies_dropped"]`.
+- `overloaded` / `shutting_down` replies mean the call was not executed; it is resent (to another
+  replica when one is live) with a short backoff until its deadline, for every tool.
+
+Backpressure: at most `max_in_flight` calls are outstanding per client; further `call()`s wait.
+DEALER sends await when the per-replica ZeroMQ queue (`sndhwm`) is full.
+
+Shutdown: `close()` cancels the heartbeat, readers and monitors it owns, fails calls still pending
+with ToolServiceUnavailable("client closed"), and closes every socket with linger 0: bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from agentrl.toolservers import protocol as P
+from agentrl.toolservers.protocol import ToolError
+
+__all__ = ["ToolClient", "ToolError", "ToolResponse", "ToolServiceUnavailable"]
+
+log = logging.getLogger(__name__)
+
+
+class ToolServiceUnavailable(RuntimeError):
+    """The call could not be delivered to (or its result recovered from) any replica."""
+
+
+@dataclass
+class ToolResponse:
+    ok: bool
+    content: Any
+    error: ToolError | None
+    server_latency_s: float
+    """Seconds the server spent from receiving the call to sending the reply."""
+    replica: str
+    """Endpoint of the replica that answered."""
+
+
+@dataclass
+class _Pending:
+    req_id: int
+    payload_fields: dict
+    retry_on_death: bool
+    deadline_s: float  # loop.time() after which the caller no longer waits
+    future: asyncio.Future
+    replica: _Replica | None = None
+
+
+class _Replica:
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.sock: zmq.asyncio.Socket | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.alive = False
+        self.last_seen_s = -math.inf
+        self.pending: dict[int, _Pending] = {}
+
+
+class ToolClient:
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        request_timeout_s: float = 30.0,
+        heartbeat_interval_s: float = 0.5,
+        heartbeat_misses: int = 4,
+        reply_grace_s: float = 2.0,
+        max_in_flight: int = 4096,
+        sndhwm: int = 10_000,
+        curve_server_public_key: bytes | None = None,
+        curve_client_public_key: bytes | None = None,
+        curve_client_secret_key: bytes | None = None,
+    ):
+        """
+        endpoints: the replicas of ONE service (same tools), e.g. ["tcp://127.0.0.1:5601"].
+        request_timeout_s: default call budget, and how long start() waits for a first replica.
+        heartbeat_interval_s: seconds between pings to each replica.
+        heartbeat_misses: silent intervals after which a replica is declared dead.
+        reply_grace_s: seconds past a call's deadline the client still waits for the server's reply.
+        max_in_flight: calls outstanding at once from this client; more call()s wait.
+        sndhwm: per-replica ZeroMQ send queue, in messages.
+        curve_*: z85 CurveZMQ keys (zmq.auth.load_certificate) for a server bound off loopback.
+        """
+        if not endpoints:
+            raise ValueError("ToolClient needs at least one endpoint")
+        if request_timeout_s <= 0 or heartbeat_interval_s <= 0 or heartbeat_misses < 1:
+            raise ValueError("request_timeout_s and heartbeat_interval_s must be > 0, heartbeat_misses >= 1")
+        curve = (curve_server_public_key, curve_client_public_key, curve_client_secret_key)
+        if any(curve) and not all(curve):
+            raise ValueError("CurveZMQ needs the server public key and this client's public and secret keys")
+        for endpoint in endpoints:
+            P.is_local_endpoint(endpoint)  # raises on a malformed endpoint
+        self.request_timeout_s = request_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.dead_after_s = heartbeat_interval_s * heartbeat_misses
+        self.reply_grace_s = reply_grace_s
+        self._curve = curve if all(curve) else None
+        self._sndhwm = sndhwm
+        self._replicas = [_Replica(e) for e in dict.fromkeys(endpoints)]
+        self._ids = itertools.count(1)
+        self._rr = itertools.count()
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._idempotent: dict[str, bool] = {}
+        self._specs: list[dict] | None = None
+        self._any_alive: asyncio.Event | None = None
+        self._ping_ids: set[int] = set()
+        self._retired_tasks: list[asyncio.Task] = []
+        self.stats = {"num_resent": 0, "num_late_replies_dropped": 0, "num_replica_deaths": 0}
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> ToolClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect to every replica and wait (up to request_timeout_s) until one answers; learn the
+        tools' idempotent flags from describe."""
+        self._ctx = zmq.asyncio.Context()
+        self._any_alive = asyncio.Event()
+        for rep in self._replicas:
+            self._open(rep)
+        self._heartbeat = self._own(self._heartbeat_loop(), "toolclient-heartbeat")
+        try:
+            await asyncio.wait_for(self._any_alive.wait(), self.request_timeout_s)
+        except TimeoutError:
+            await self.close()
+            raise ToolServiceUnavailable(
+                f"no replica of {[r.endpoint for r in self._replicas]} answered within "
+                f"{self.request_timeout_s} s; is the service started (READY printed)?"
+            ) from None
+        await self.describe()
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+        for rep in self._replicas:
+            for pending in rep.pending.values():
+                if not pending.future.done():
+                    pending.future.set_exception(ToolServiceUnavailable("client closed"))
+            rep.pending.clear()
+            self._close_socket(rep)
+        await asyncio.gather(*self._retired_tasks, return_exceptions=True)  # failures logged by _own
+        self._retired_tasks.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # --- public calls ----------------------------------------------------------------------------
+
+    async def describe(self) -> list[dict]:
+        """Each tool's OpenAI function-calling schema plus its top-level "idempotent" flag."""
+        resp = await self._request({"op": P.OP_DESCRIBE}, self.request_timeout_s, retry_on_death=True)
+        if not resp.ok:
+            assert resp.error is not None
+            raise ToolServiceUnavailable(f"describe failed: {resp.error.type}: {resp.error.message}")
+        self._specs = resp.content
+        self._idempotent = {s["function"]["name"]: bool(s["idempotent"]) for s in resp.content}
+        return resp.content
+
+    async def call(self, tool: str, arguments: dict, *, deadline_s: float | None = None) -> ToolResponse:
+        budget_s = self.request_timeout_s if deadline_s is None else deadline_s
+        fields = {"op": P.OP_CALL, "tool": tool, "args": arguments}
+        return await self._request(fields, budget_s, retry_on_death=self._idempotent.get(tool, False))
+
+    def live_replicas(self) -> list[str]:
+        return [r.endpoint for r in self._replicas if r.alive]
+
+    # --- requests --------------------------------------------------------------------------------
+
+    async def _request(self, fields: dict, budget_s: float, retry_on_death: bool) -> ToolResponse:
+        if self._ctx is None:
+            raise RuntimeError("ToolClient used before start() (or after close())")
+        loop = asyncio.get_running_loop()
+        async with self._slots:
+            pending = _Pending(0, fields, retry_on_death, loop.time() + budget_s, loop.create_future())
+            backoff_s = 0.005
+            while True:
+                await self._send(pending)
+                rep = pending.replica
+                assert rep is not None
+                try:
+                    resp = await asyncio.wait_for(
+                        asyncio.shield(pending.future), max(0.0, pending.deadline_s - loop.time()) + self.reply_grace_s
+                    )
+                except TimeoutError:
+                    if pending.replica is not None:
+                        pending.replica.pending.pop(pending.req_id, None)
+                    message = f"no reply within {budget_s} s (+{self.reply_grace_s} s grace) from {rep.endpoint}"
+                    return ToolResponse(False, None, ToolError(P.E_DEADLINE, message), 0.0, rep.endpoint)
+                if resp.ok or resp.error.type not in P.NOT_EXECUTED_ERRORS:
+                    return resp
+                if loop.time() + backoff_s >= pending.deadline_s:
+                    return resp
+                # Not executed (overloaded or stopping): safe to resend, even for a non-idempotent tool.
+                self.stats["num_resent"] += 1
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 0.2)
+                pending.future = loop.create_future()
+
+    async def _send(self, pending: _Pending) -> None:
+        rep = self._pick(exclude=pending.replica)
+        pending.req_id = next(self._ids)
+        pending.replica = rep
+        rep.pending[pending.req_id] = pending
+        timeout_s = pending.deadline_s - asyncio.get_running_loop().time()
+        msg = {"id": pending.req_id, **pending.payload_fields, "timeout_s": timeout_s}
+        assert rep.sock is not None
+        await rep.sock.send(P.pack(msg))
+
+    def _pick(self, exclude: _Replica | None) -> _Replica:
+        alive = [r for r in self._replicas if r.alive]
+        if not alive:
+            raise ToolServiceUnavailable(
+                f"no live replica among {[r.endpoint for r in self._replicas]} (all missed "
+                f"{self.dead_after_s:.1f} s of heartbeats or dropped their connection)"
+            )
+        if exclude is not None and len(alive) > 1:
+            alive = [r for r in alive if r is not exclude] or alive
+        start = next(self._rr) % len(alive)
+        rotated = alive[start:] + alive[:start]
+        return min(rotated, key=lambda r: len(r.pending))
+
+    # --- per-replica sockets -----------------------------------------------------------------------
+
+    def _open(self, rep: _Replica) -> None:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._sndhwm)
+        sock.setsockopt(zmq.RCVHWM, self._sndhwm)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        if self._curve is not None:
+            server_public, client_public, client_secret = self._curve
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                server_public, client_public, client_secret,
+            )
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(rep.endpoint)
+        rep.sock = sock
+        rep.tasks = [
+            self._own(self._read_loop(rep, sock), f"toolclient-read-{rep.endpoint}"),
+            self._own(self._monitor_loop(rep, sock, monitor), f"toolclient-mon-{rep.endpoint}"),
+        ]
+
+    def _close_socket(self, rep: _Replica) -> None:
+        # Synchronous so that no await can interleave a second open of the same replica.
+        for task in rep.tasks:
+            task.cancel()
+        self._retired_tasks.extend(rep.tasks)
+        rep.tasks = []
+        if rep.sock is not None:
+            rep.sock.disable_monitor()
+            rep.sock.close(linger=0)
+            rep.sock = None
+
+    def _own(self, coro: Any, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_log_task_failure)
+        return task
+
+    async def _read_loop(self, rep: _Replica, sock: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            payload = await sock.recv()
+            rep.last_seen_s = loop.time()
+            if not rep.alive:
+                rep.alive = True
+                assert self._any_alive is not None
+                self._any_alive.set()
+                log.info("replica %s is live", rep.endpoint)
+            msg = P.unpack(payload)
+            pending = rep.pending.pop(msg["id"], None)
+            if pending is None:
+                if msg["id"] is not None and msg["id"] not in self._ping_ids:
+                    self.stats["num_late_replies_dropped"] += 1
+                self._ping_ids.discard(msg["id"])
+                continue
+            err = msg["error"]
+            resp = ToolResponse(
+                msg["ok"], msg["content"], ToolError(err["type"], err["message"]) if err else None,
+                msg["latency_s"], rep.endpoint,
+            )
+            if not pending.future.done():
+                pending.future.set_result(resp)
+
+    async def _monitor_loop(self, rep: _Replica, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and rep.sock is sock and rep.alive:
+                    # Scheduled, not awaited: _mark_dead cancels this very task.
+                    asyncio.get_running_loop().call_soon(self._mark_dead, rep, "connection dropped")
+        finally:
+            monitor.close(linger=0)
+
+    # --- liveness --------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            for rep in self._replicas:
+                if rep.alive and now - rep.last_seen_s > self.dead_after_s:
+                    self._mark_dead(rep, f"silent for {now - rep.last_seen_s:.1f} s")
+                if not rep.alive:
+                    # A fresh probe socket each time: pings queued to a dead endpoint are dropped
+                    # rather than piling up, and nothing stale reaches a process that comes back.
+                    self._close_socket(rep)
+                    self._open(rep)
+                ping_id = next(self._ids)
+                self._ping_ids.add(ping_id)
+                assert rep.sock is not None
+                try:
+                    await asyncio.wait_for(rep.sock.send(P.pack({"id": ping_id, "op": P.OP_PING})), 0.1)
+                except TimeoutError:
+                    pass  # queue to this replica full: it has plenty to answer already
+            self._retired_tasks = [t for t in self._retired_tasks if not t.done()]
+            if len(self._ping_ids) > 100_000:
+                self._ping_ids.clear()  # pings to replicas that died unanswered; bounded memory
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    def _mark_dead(self, rep: _Replica, reason: str) -> None:
+        if not rep.alive:
+            return
+        rep.alive = False
+        self.stats["num_replica_deaths"] += 1
+        orphans = list(rep.pending.values())
+        rep.pending.clear()
+        log.warning("replica %s declared dead (%s); %d calls in flight there", rep.endpoint, reason, len(orphans))
+        if not any(r.alive for r in self._replicas):
+            assert self._any_alive is not None
+            self._any_alive.clear()
+        # Close now (linger 0) so that nothing still queued for the dead replica is delivered later;
+        # the heartbeat loop probes it with a fresh socket.
+        self._close_socket(rep)
+        for pending in orphans:
+            if pending.future.done():
+                continue
+            if not pending.retry_on_death:
+                tool = pending.payload_fields.get("tool")
+                pending.future.set_exception(ToolServiceUnavailable(
+                    f"replica {rep.endpoint} died ({reason}) during a call to {tool!r}, which is not "
+                    "idempotent: it may or may not have run, so it is not resent"
+                ))
+                continue
+            self.stats["num_resent"] += 1
+            self._retired_tasks.append(self._own(self._resend(pending), "toolclient-resend"))
+
+    async def _resend(self, pending: _Pending) -> None:
+        try:
+            await self._send(pending)
+        except ToolServiceUnavailable as exc:
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+
+
+def _log_task_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_name(), exc_info=task.exception())

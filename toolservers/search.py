@@ -1,0 +1,173 @@
+"""The `search` tool: BM25 (bm25s) over a passage corpus read from JSONL.
+
+Corpus file: one JSON object per line, `{"id": str, "title": str, "text": str}`; a blank line is
+skipped, anything else that is not such an object (or a repeated id) stops the load with the line
+number. Title and text are indexed together.
+
+Index cache: building the index tokenizes the whole corpus (seconds for 100k passages), so the
+built index and its vocabulary are saved under `cache_dir/<key>/`, where key = sha256 of the
+corpus file's bytes and of the index settings (bm25s version, stopwords, k1, b). A changed corpus
+or setting gets a new key, so a stale index is never loaded. The cache entry is written to a
+temporary folder and renamed into place, so a crash mid-write leaves no half entry.
+
+Calls run inline on the server loop, in batches: every search request drained in one loop turn
+is answered by one `retrieve` call (bm25s scores a batch of queries together; `workers` threads).
+Passages with score 0 (no query term in common) are not returned, so a query made only of
+stopwords or unknown words returns [].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import bm25s
+from bm25s.tokenization import Tokenizer
+
+from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
+
+log = logging.getLogger(__name__)
+
+MAX_TOP_K = 50
+
+
+@dataclass
+class SearchConfig:
+    corpus_path: str
+    """JSONL file of {"id", "title", "text"} passages."""
+    cache_dir: str = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "agentrl", "search")
+    """Where built indexes are kept, one sub-folder per (corpus content, settings)."""
+    num_threads: int = 1
+    """Threads bm25s uses to score one batch of queries."""
+    k1: float = 1.5
+    """BM25 term-frequency saturation."""
+    b: float = 0.75
+    """BM25 length normalization."""
+
+    def validate(self) -> None:
+        if not Path(self.corpus_path).is_file():
+            raise ValueError(f"corpus {self.corpus_path!r} is not a file (expected JSONL of id/title/text)")
+        if self.num_threads < 1:
+            raise ValueError(f"--workers must be >= 1 for search, got {self.num_threads}")
+
+
+def load_corpus(path: str) -> list[dict]:
+    passages, seen = [], set()
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
+            if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in ("id", "title", "text")):
+                raise ValueError(f"{path}:{line_no}: expected an object with string id, title and text")
+            if obj["id"] in seen:
+                raise ValueError(f"{path}:{line_no}: id {obj['id']!r} appears twice")
+            seen.add(obj["id"])
+            passages.append({"id": obj["id"], "title": obj["title"], "text": obj["text"]})
+    if not passages:
+        raise ValueError(f"{path}: no passages")
+    return passages
+
+
+class SearchTool(Tool):
+    spec = ToolSpec(
+        name="search",
+        description="Search the passage corpus with BM25 and return the top matching passages.",
+        parameters={
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": "Keywords or a question.", "minLength": 1,
+                          "maxLength": 2000},
+                "top_k": {"type": "integer", "description": "How many passages to return (default 3).",
+                          "minimum": 1, "maximum": MAX_TOP_K, "default": 3},
+            },
+            "required": ["query"],
+            "additionalProperties": False,
+        },
+        idempotent=True,
+    )
+
+    def __init__(self, config: SearchConfig):
+        config.validate()
+        self.config = config
+        self.passages: list[dict] = []
+        self.retriever: bm25s.BM25 | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.cache_hit = False
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        self.passages = load_corpus(self.config.corpus_path)
+        entry = Path(self.config.cache_dir) / self._cache_key()
+        self.cache_hit = entry.is_dir()
+        if self.cache_hit:
+            self.retriever = bm25s.BM25.load(str(entry / "index"), show_progress=False)
+            self.tokenizer = Tokenizer(stopwords="en", stemmer=None)
+            self.tokenizer.load_vocab(str(entry / "index"))
+        else:
+            self._build_and_cache(entry)
+        log.info(
+            "search index over %d passages %s in %.2f s", len(self.passages),
+            "loaded from cache" if self.cache_hit else "built", time.monotonic() - t0,
+        )
+
+    def _cache_key(self) -> str:
+        h = hashlib.sha256()
+        with open(self.config.corpus_path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        h.update(f"bm25s={bm25s.__version__};stopwords=en;k1={self.config.k1};b={self.config.b}".encode())
+        return h.hexdigest()[:32]
+
+    def _build_and_cache(self, entry: Path) -> None:
+        self.tokenizer = Tokenizer(stopwords="en", stemmer=None)
+        texts = [f"{p['title']}\n{p['text']}" for p in self.passages]
+        ids = self.tokenizer.tokenize(texts, return_as="ids", show_progress=False)
+        self.retriever = bm25s.BM25(k1=self.config.k1, b=self.config.b)
+        self.retriever.index(ids, show_progress=False)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".building-"))
+        try:
+            self.retriever.save(str(tmp / "index"), show_progress=False)
+            self.tokenizer.save_vocab(str(tmp / "index"))
+            os.rename(tmp, entry)
+        except FileExistsError:
+            pass  # another server built the same entry first; ours is identical
+        except OSError as exc:
+            if entry.is_dir():  # lost the rename race on a filesystem that reports ENOTEMPTY
+                log.info("cache entry %s was written concurrently (%s)", entry, exc)
+            else:
+                raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+
+    def run_batch(self, jobs: list[Job]) -> list[Outcome]:
+        assert self.retriever is not None and self.tokenizer is not None
+        queries = [job.args["query"] for job in jobs]
+        top_ks = [min(job.args.get("top_k", 3), len(self.passages)) for job in jobs]
+        query_ids = self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+        doc_idx, scores = self.retriever.retrieve(
+            query_ids, k=max(top_ks), show_progress=False,
+            n_threads=0 if self.config.num_threads == 1 else self.config.num_threads,
+        )
+        outcomes = []
+        for row, top_k in enumerate(top_ks):
+            hits = []
+            for idx, score in zip(doc_idx[row][:top_k], scores[row][:top_k], strict=True):
+                if score <= 0:
+                    break
+                passage = self.passages[int(idx)]
+                hits.append({**passage, "score": round(float(score), 4)})
+            outcomes.append(Outcome(True, hits))
+        return outcomes

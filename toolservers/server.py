@@ -1,0 +1,409 @@
+"""The tool-service framework: one ROUTER socket, one loop thread, tools that run inline or in pools.
+
+Lifecycle: `ToolServer(config, tools).serve()` binds, starts every tool (the python tool pre-starts
+its sandboxes here), prints `READY <endpoint>` on stdout once requests are accepted, and loops
+until SIGTERM/SIGINT (or `stop()`). Shutdown is bounded: queued calls are answered
+`shutting_down` (not executed, so safe to resend anywhere), running calls get
+`ServerConfig.shutdown_grace_s` to finish, tools are closed, and the socket closes with a
+`linger_ms` bound so that unsent replies cannot hang the exit (ZeroMQ's default linger is
+forever).
+
+The loop: poll the ROUTER and the tools' result fds; drain up to `read_batch` requests without
+blocking, answer `ping`/`describe`/bad input at once, group valid calls by tool and hand each group
+to its tool (`submit`), which finishes them inline (calculator, search: batched) or queues them
+for its workers (python). Finished calls become replies.
+
+Backpressure, and why nothing is dropped silently:
+- At most `max_in_flight` calls are accepted (accepted = received and not yet handed to ZeroMQ as
+  a reply). A call beyond that is answered at once with `overloaded`, which says it was NOT
+  executed, so the client may resend it. Pings and describes are always answered, so a busy
+  replica still looks alive to its clients' heartbeats.
+- Replies are sent with ROUTER_MANDATORY and NOBLOCK. A reply that meets a full pipe (a client not
+  reading, at `sndhwm` messages) waits in `_outbound`, and while anything waits there the server
+  stops reading new requests: the pressure propagates to the clients' DEALER sockets, which block.
+  A reply to a peer that has disconnected cannot be delivered by anyone; it is counted in
+  `num_replies_unroutable` and logged.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from agentrl.toolservers import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    """How one tool service listens and bounds its work."""
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint to bind. Loopback by default; anything else needs the two curve_* fields."""
+    max_request_bytes: int = 1 << 20
+    """Largest request payload accepted, in bytes; larger ones get `request_too_large`."""
+    max_in_flight: int = 4096
+    """Calls accepted and not yet replied to; beyond it calls get `overloaded` (not executed)."""
+    read_batch: int = 256
+    """Requests drained per loop turn before working: amortizes polling and lets search batch."""
+    sndhwm: int = 100_000
+    """Per-peer reply queue in ZeroMQ, in messages. Above max_in_flight so that only a client that
+    stops reading its replies ever fills it."""
+    linger_ms: int = 500
+    """How long close() may spend delivering replies already queued, in milliseconds."""
+    shutdown_grace_s: float = 2.0
+    """How long running calls may take to finish after SIGTERM before their workers are killed."""
+    curve_secret_key_file: str | None = None
+    """zmq.auth secret certificate (`NAME.key_secret`) of this server; required off loopback."""
+    curve_authorized_clients_dir: str | None = None
+    """Directory of zmq.auth public certificates (`*.key`) of the clients allowed to connect."""
+
+    def validate(self) -> None:
+        for name in ("max_request_bytes", "max_in_flight", "read_batch", "sndhwm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
+        curve = (self.curve_secret_key_file, self.curve_authorized_clients_dir)
+        if any(curve) and not all(curve):
+            raise ValueError(
+                "CurveZMQ needs both --curve-secret-key (this server's NAME.key_secret) and "
+                "--curve-authorized-clients (a directory of the clients' *.key files)"
+            )
+        if not P.is_local_endpoint(self.bind) and not all(curve):
+            raise ValueError(
+                f"refusing to bind {self.bind}: it is reachable from other hosts and tool services "
+                "run code and read data on request, so a non-loopback bind requires CurveZMQ "
+                "encryption and client authentication. Create keys with "
+                "`python -c \"import zmq.auth; zmq.auth.create_certificates('keys', 'server')\"` "
+                "(and one per client), then pass --curve-secret-key keys/server.key_secret "
+                "--curve-authorized-clients DIR_WITH_CLIENT_KEYS; or bind tcp://127.0.0.1:PORT."
+            )
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """What a tool tells its callers: OpenAI function-calling schema plus the idempotent flag."""
+
+    name: str
+    description: str
+    parameters: dict
+    """JSON Schema of the arguments object (checked on every call)."""
+    idempotent: bool
+    """True if running a call twice is harmless, so a client may resend it when a replica dies."""
+
+    def __post_init__(self) -> None:
+        P.check_schema_supported(self.parameters, f"tool {self.name!r} parameters")
+        if self.parameters.get("type") != "object":
+            raise ValueError(f"tool {self.name!r}: parameters must be a JSON schema of type object")
+
+    def describe(self) -> dict:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "idempotent": self.idempotent,
+        }
+
+
+@dataclass
+class Job:
+    """One accepted call, from receipt to reply."""
+
+    peer: bytes
+    req_id: int
+    args: dict
+    received_s: float
+    """time.monotonic() at receipt."""
+    deadline_s: float
+    """time.monotonic() after which the caller no longer wants the result."""
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    content: Any = None
+    error: P.ToolError | None = None
+
+    @staticmethod
+    def failure(err_type: str, message: str) -> Outcome:
+        return Outcome(False, None, P.ToolError(err_type, message))
+
+
+class ToolFailure(Exception):
+    """Raised by an inline tool for a failure of the call itself (bad expression, ...)."""
+
+
+class Tool:
+    """A tool hosted by a ToolServer. Inline tools override `run`; pooled tools override `submit`,
+    `fds`, `on_readable`, `tick` (all called from the server's loop thread only)."""
+
+    spec: ToolSpec
+
+    def start(self) -> None:
+        pass
+
+    def run(self, args: dict) -> Any:
+        raise NotImplementedError
+
+    def run_batch(self, jobs: list[Job]) -> list[Outcome]:
+        outcomes = []
+        for job in jobs:
+            try:
+                outcomes.append(Outcome(True, self.run(job.args)))
+            except ToolFailure as exc:
+                outcomes.append(Outcome.failure(P.E_TOOL, str(exc)))
+        return outcomes
+
+    def submit(self, jobs: list[Job]) -> list[tuple[Job, Outcome]]:
+        """Take accepted jobs; return those finished now (inline tools finish all of them)."""
+        return list(zip(jobs, self.run_batch(jobs), strict=True))
+
+    def fds(self) -> list[int]:
+        """File descriptors to poll for finished jobs."""
+        return []
+
+    def on_readable(self, fd: int) -> list[tuple[Job, Outcome]]:
+        return []
+
+    def tick(self, now_s: float) -> list[tuple[Job, Outcome]]:
+        """Called every loop turn (at least every 50 ms): expire deadlines, restart workers."""
+        return []
+
+    def cancel_queued(self) -> list[Job]:
+        """On shutdown: remove and return jobs not yet started."""
+        return []
+
+    def num_running(self) -> int:
+        return 0
+
+    def close(self, timeout_s: float) -> None:
+        pass
+
+
+@dataclass
+class ServerStats:
+    num_requests: int = 0
+    num_calls_ok: int = 0
+    num_errors: dict[str, int] = field(default_factory=collections.Counter)
+    num_replies_unroutable: int = 0
+
+
+class ToolServer:
+    def __init__(self, config: ServerConfig, tools: list[Tool]):
+        config.validate()
+        self.config = config
+        self.tools = {t.spec.name: t for t in tools}
+        if len(self.tools) != len(tools):
+            raise ValueError("two tools share a name")
+        self.stats = ServerStats()
+        self._stop = False
+        self._num_in_flight = 0
+        self._outbound: collections.deque[tuple[bytes, bytes, bool]] = collections.deque()
+        self._describe = [t.spec.describe() for t in tools]
+
+    def stop(self) -> None:
+        self._stop = True
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def serve(self, install_signal_handlers: bool = True) -> None:
+        if install_signal_handlers:
+            signal.signal(signal.SIGTERM, lambda *_: self.stop())
+            signal.signal(signal.SIGINT, lambda *_: self.stop())
+        ctx = zmq.Context()
+        auth = None
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, self.config.linger_ms)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDHWM, self.config.sndhwm)
+            sock.setsockopt(zmq.RCVHWM, self.config.sndhwm)
+            if self.config.curve_secret_key_file:
+                auth = ThreadAuthenticator(ctx)
+                auth.start()
+                auth.configure_curve(domain="*", location=self.config.curve_authorized_clients_dir)
+                public, secret = zmq.auth.load_certificate(self.config.curve_secret_key_file)
+                if secret is None:
+                    raise ValueError(f"{self.config.curve_secret_key_file} holds no secret key")
+                sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+            sock.bind(self.config.bind)
+            for tool in self.tools.values():
+                tool.start()
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            print(f"READY {endpoint}", flush=True)
+            log.info("serving %s on %s", sorted(self.tools), endpoint)
+            self._loop(sock)
+            self._shutdown(sock)
+        finally:
+            for tool in self.tools.values():
+                tool.close(self.config.shutdown_grace_s)
+            sock.close(linger=self.config.linger_ms)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        fd_owner: dict[int, Tool] = {}
+        while not self._stop:
+            fd_owner = self._sync_fds(poller, fd_owner)
+            events = poller.poll(1 if self._outbound else 50)
+            for target, _ in events:
+                if target is sock:
+                    if not self._outbound:
+                        self._read_requests(sock)
+                else:
+                    self._finish(fd_owner[target].on_readable(target))
+            now = time.monotonic()
+            for tool in self.tools.values():
+                self._finish(tool.tick(now))
+            self._flush(sock)
+
+    def _shutdown(self, sock: zmq.Socket) -> None:
+        for tool in self.tools.values():
+            for job in tool.cancel_queued():
+                self._finish([(job, Outcome.failure(P.E_SHUTTING_DOWN, "server is stopping; not executed"))])
+        end = time.monotonic() + self.config.shutdown_grace_s
+        poller = zmq.Poller()
+        fd_owner: dict[int, Tool] = {}
+        while time.monotonic() < end and any(t.num_running() for t in self.tools.values()):
+            fd_owner = self._sync_fds(poller, fd_owner)
+            for target, _ in poller.poll(20):
+                self._finish(fd_owner[target].on_readable(target))
+            now = time.monotonic()
+            for tool in self.tools.values():
+                self._finish(tool.tick(now))
+            self._flush(sock)
+        self._flush(sock)
+        if self._outbound:
+            log.warning("shutdown: %d replies could not be sent (clients not reading)", len(self._outbound))
+
+    def _sync_fds(self, poller: zmq.Poller, fd_owner: dict[int, Tool]) -> dict[int, Tool]:
+        # A pooled tool's fds change when it restarts a worker, so re-read them each turn.
+        current = {fd: tool for tool in self.tools.values() for fd in tool.fds()}
+        for fd in fd_owner.keys() - current.keys():
+            poller.unregister(fd)
+        for fd in current.keys() - fd_owner.keys():
+            poller.register(fd, zmq.POLLIN)
+        return current
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def _read_requests(self, sock: zmq.Socket) -> None:
+        calls: dict[str, list[Job]] = collections.defaultdict(list)
+        for _ in range(self.config.read_batch):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.stats.num_requests += 1
+            job_or_none = self._admit(frames, time.monotonic())
+            if job_or_none is not None:
+                tool_name, job = job_or_none
+                calls[tool_name].append(job)
+        for tool_name, jobs in calls.items():
+            self._num_in_flight += len(jobs)
+            self._finish(self.tools[tool_name].submit(jobs))
+
+    def _admit(self, frames: list[bytes], now: float) -> tuple[str, Job] | None:
+        """Answer what can be answered at once; return (tool, job) for a call to run."""
+        peer = frames[0]
+        if len(frames) != 2:
+            return self._reject(peer, None, P.E_BAD_FRAMES, f"expected 1 payload frame, got {len(frames) - 1}")
+        payload = frames[1]
+        if len(payload) > self.config.max_request_bytes:
+            return self._reject(
+                peer, None, P.E_TOO_LARGE,
+                f"request is {len(payload)} bytes; this server accepts at most {self.config.max_request_bytes}",
+            )
+        try:
+            msg = P.unpack(payload)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            return self._reject(peer, None, P.E_MALFORMED, f"payload is not valid msgpack: {exc}")
+        if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
+            return self._reject(peer, None, P.E_MALFORMED, "request must be a map with an integer 'id'")
+        req_id, op = msg["id"], msg.get("op")
+        if op == P.OP_PING:
+            self._send_later(peer, P.reply(req_id, {"in_flight": self._num_in_flight}, 0.0))
+            return None
+        if op == P.OP_DESCRIBE:
+            self._send_later(peer, P.reply(req_id, self._describe, 0.0))
+            return None
+        if op != P.OP_CALL:
+            return self._reject(peer, req_id, P.E_UNKNOWN_OP, f"op must be call, describe or ping; got {op!r}")
+        tool = self.tools.get(msg.get("tool"))  # type: ignore[arg-type]
+        if tool is None:
+            return self._reject(
+                peer, req_id, P.E_UNKNOWN_TOOL, f"no tool {msg.get('tool')!r} here; tools: {sorted(self.tools)}"
+            )
+        timeout_s = msg.get("timeout_s")
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or math.isnan(timeout_s):
+            return self._reject(peer, req_id, P.E_MALFORMED, "call needs a numeric 'timeout_s' (seconds left)")
+        if timeout_s <= 0:
+            return self._reject(peer, req_id, P.E_DEADLINE, f"deadline already passed ({timeout_s:.3f} s left)")
+        args = msg.get("args")
+        problem = P.validate_args(args, tool.spec.parameters)
+        if problem:
+            return self._reject(peer, req_id, P.E_INVALID_ARGS, problem)
+        if self._num_in_flight >= self.config.max_in_flight:
+            return self._reject(
+                peer, req_id, P.E_OVERLOADED,
+                f"{self._num_in_flight} calls in flight (max_in_flight); not executed, retry later or elsewhere",
+            )
+        return tool.spec.name, Job(peer, req_id, args, now, now + float(timeout_s))
+
+    def _reject(self, peer: bytes, req_id: int | None, err_type: str, message: str) -> None:
+        self.stats.num_errors[err_type] += 1
+        self._send_later(peer, P.error_reply(req_id, err_type, message))
+        return None
+
+    # --- replies ---------------------------------------------------------------------------------
+
+    def _finish(self, done: list[tuple[Job, Outcome]]) -> None:
+        now = time.monotonic()
+        for job, outcome in done:
+            latency_s = now - job.received_s
+            if outcome.ok:
+                self.stats.num_calls_ok += 1
+                payload = P.reply(job.req_id, outcome.content, latency_s)
+            else:
+                assert outcome.error is not None
+                self.stats.num_errors[outcome.error.type] += 1
+                payload = P.error_reply(job.req_id, outcome.error.type, outcome.error.message, latency_s)
+            self._outbound.append((job.peer, payload, True))
+
+    def _send_later(self, peer: bytes, payload: bytes) -> None:
+        self._outbound.append((peer, payload, False))
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while self._outbound:
+            peer, payload, counted = self._outbound[0]
+            try:
+                sock.send_multipart([peer, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                return  # peer's pipe is full: keep it, stop reading requests until it drains
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self.stats.num_replies_unroutable += 1
+                log.info("reply to a disconnected peer dropped (%d so far)", self.stats.num_replies_unroutable)
+            self._outbound.popleft()
+            if counted:
+                self._num_in_flight -= 1
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
