@@ -167,10 +167,9 @@ def _token_terms_torch(
     lower = 1 - config.eps_low
     unclipped = ratio * adv_N
     clipped = ratio.clamp(lower, upper) * adv_N
-    in_range = (ratio >= lower) & (ratio <= upper)
-    # The min picks the unclipped term unless clipping lowers the objective; the clipped term's
-    # gradient is the unclipped one inside the clip range and zero outside it.
-    takes_unclipped = (unclipped <= clipped) | in_range
+    # Inside the clip range both terms are equal (and so are their gradients); outside it the min
+    # picks the clipped term, a constant, exactly when clipping lowers the objective.
+    takes_unclipped = unclipped <= clipped
     pg = -torch.minimum(unclipped, clipped)
     dpg = torch.where(takes_unclipped, -unclipped, torch.zeros_like(unclipped))
     if log_is_N is None:

@@ -33,6 +33,10 @@ import triton.language as tl
 _CUDA_CHUNK_BYTES = 2**30
 
 
+# Vocabulary splits under the interpreter: more than one, so the tests cover the host-side merge.
+_INTERPRETER_SPLITS = 3
+
+
 def _blocks(device: torch.device) -> tuple[int, int, int, int]:
     """(BM, BV, BH, num_warps). Under the interpreter every program is a Python loop, so small tiles
     keep the test shapes quick; on a GPU 64 x 128 x 64 bf16 tiles feed the tensor cores."""
@@ -50,6 +54,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _upcast(tensor: torch.Tensor) -> bool:
+    # Triton 3.9's interpreter computes tl.dot on bf16/fp16 tiles wrongly (off by ~1e10 on a 16 x 16
+    # product; loads and casts are right), so on CPU tensors (= the interpreter) the tiles are cast to
+    # float32 first. On a GPU the tiles go to the tensor cores in their own dtype.
+    return tensor.device.type != "cuda" and tensor.dtype != torch.float32
+
+
 def _check_dtype(tensor: torch.Tensor) -> None:
     if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"the Triton path takes float32, bfloat16 or float16, got {tensor.dtype}")
@@ -60,6 +71,7 @@ def _logprob_fwd_kernel(
     h_ptr, w_ptr, y_ptr, m_out_ptr, s_out_ptr, t_out_ptr, tgt_out_ptr,
     M, V, H, stride_h, stride_w, inv_t, tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,6 +98,9 @@ def _logprob_fwd_kernel(
                              mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w_tile = tl.load(w_ptr + cols64[:, None] * stride_w + ks[None, :],
                              mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                h_tile = h_tile.to(tl.float32)
+                w_tile = w_tile.to(tl.float32)
             acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
         z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
@@ -112,6 +127,7 @@ def _grad_logits_kernel(
     M, V, H, stride_h, stride_w, stride_out, inv_t,
     HAS_ENTROPY_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -127,6 +143,9 @@ def _grad_logits_kernel(
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_tile = tl.load(w_ptr + cols64[:, None] * stride_w + ks[None, :],
                          mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            h_tile = h_tile.to(tl.float32)
+            w_tile = w_tile.to(tl.float32)
         acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
 
     lse = tl.load(lse_ptr + rows64, mask=row_ok, other=0.0)
@@ -165,7 +184,7 @@ def forward_triton(
             num_sms = torch.cuda.get_device_properties(hidden_MH.device).multi_processor_count
             num_splits = triton.cdiv(4 * num_sms, num_row_blocks)
         else:
-            num_splits = 3
+            num_splits = _INTERPRETER_SPLITS
     tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split is left without a tile
     partial = torch.empty(4, num_splits, num_rows, dtype=torch.float32, device=hidden_MH.device)
@@ -174,6 +193,7 @@ def forward_triton(
         num_rows, vocab_size, hidden_size, hidden_MH.stride(0), weight_VH.stride(0), inv_temperature,
         tiles_per_split,
         BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, DOT_PRECISION=_dot_precision(hidden_MH.dtype),
+        UPCAST=_upcast(hidden_MH),
         num_warps=num_warps,
     )
     m_SM, s_SM, t_SM, tgt_SM = partial
@@ -209,6 +229,7 @@ def grad_logits_triton(
         inv_temperature,
         HAS_ENTROPY_GRAD=has_entropy_grad,
         BLOCK_M=block_m, BLOCK_V=block_v, BLOCK_H=block_h, DOT_PRECISION=_dot_precision(hidden_CH.dtype),
+        UPCAST=_upcast(hidden_CH),
         num_warps=num_warps,
     )
     return out_CV

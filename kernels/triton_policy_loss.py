@@ -36,8 +36,7 @@ def _policy_loss_kernel(
     ratio = tl.exp(log_ratio)
     unclipped = ratio * adv
     clipped = tl.minimum(tl.maximum(ratio, lower), upper) * adv
-    in_range = (ratio >= lower) & (ratio <= upper)
-    takes_unclipped = (unclipped <= clipped) | in_range
+    takes_unclipped = unclipped <= clipped  # see _token_terms_torch
     pg = -tl.minimum(unclipped, clipped)
     dpg = tl.where(takes_unclipped, -unclipped, 0.0)
 
