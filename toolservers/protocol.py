@@ -1,8 +1,11 @@
 """Wire format shared by tool servers and clients.
 
-Transport: a client DEALER sends ONE frame per request; the server ROUTER therefore sees exactly
-two frames `[peer_identity, payload]` and answers `[peer_identity, payload]`. Both payloads are
-msgpack maps.
+Transport: a client DEALER sends ONE frame per message; the server ROUTER therefore sees exactly
+two frames `[peer_identity, payload]` and answers `[peer_identity, payload]`. A payload is a
+msgpack map (one request or reply) or a msgpack array of such maps (a batch). Batching is how
+both ends amortize ZeroMQ's per-message cost: the client sends every request issued in one
+event-loop turn as one frame, the server answers every reply for one peer produced in one loop
+turn as one frame. Each element is handled exactly as if it had come alone.
 
 Request (client -> server):
     id         int    client-chosen, unique per client; echoed in the reply so the client can
@@ -70,6 +73,18 @@ def pack(obj: Any) -> bytes:
 
 def unpack(payload: bytes) -> Any:
     return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+
+
+def pack_array(packed_items: list[bytes]) -> bytes:
+    """A msgpack array from already-packed elements (no unpack/repack of the replies)."""
+    n = len(packed_items)
+    if n < 16:
+        header = bytes([0x90 | n])
+    elif n < 1 << 16:
+        header = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        header = b"\xdd" + n.to_bytes(4, "big")
+    return header + b"".join(packed_items)
 
 
 def reply(req_id: int | None, content: Any, latency_s: float) -> bytes:

@@ -22,22 +22,21 @@ deliver SIGKILL/SIGSTOP sent from inside the namespace to its init, so the code 
 parent.
 """
 
-import json
-import os
-import select
-import signal
-import struct
-import sys
-import time
-
 # Imported before any call so that forked children start with them loaded (fast, and the same
 # clean state every time).
 import builtins  # noqa: F401  (kept loaded for children)
 import errno
 import io
+import json
 import linecache
+import os
 import random
 import resource
+import select
+import signal
+import struct
+import sys
+import time
 import traceback
 
 CFG = json.loads(sys.argv[1])

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bm25s
-from bm25s.tokenization import Tokenizer
-
 from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
+from bm25s.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
 

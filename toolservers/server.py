@@ -39,9 +39,8 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
-
 from agentrl.toolservers import protocol as P
+from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +207,8 @@ class ToolServer:
         self.stats = ServerStats()
         self._stop = False
         self._num_in_flight = 0
-        self._outbound: collections.deque[tuple[bytes, bytes, bool]] = collections.deque()
+        # peer -> [(packed reply, counts toward in-flight)], sent as one frame per peer per turn
+        self._outbound: dict[bytes, list[tuple[bytes, bool]]] = {}
         self._describe = [t.spec.describe() for t in tools]
 
     def stop(self) -> None:
@@ -258,11 +258,13 @@ class ToolServer:
         fd_owner: dict[int, Tool] = {}
         while not self._stop:
             fd_owner = self._sync_fds(poller, fd_owner)
+            # Replies stuck behind a full peer pipe: stop reading (pressure goes back to clients)
+            # and retry sending every millisecond.
+            poller.modify(sock, 0 if self._outbound else zmq.POLLIN)
             events = poller.poll(1 if self._outbound else 50)
             for target, _ in events:
                 if target is sock:
-                    if not self._outbound:
-                        self._read_requests(sock)
+                    self._read_requests(sock)
                 else:
                     self._finish(fd_owner[target].on_readable(target))
             now = time.monotonic()
@@ -307,30 +309,38 @@ class ToolServer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self.stats.num_requests += 1
-            job_or_none = self._admit(frames, time.monotonic())
-            if job_or_none is not None:
-                tool_name, job = job_or_none
+            for tool_name, job in self._admit(frames, time.monotonic()):
                 calls[tool_name].append(job)
         for tool_name, jobs in calls.items():
-            self._num_in_flight += len(jobs)
             self._finish(self.tools[tool_name].submit(jobs))
 
-    def _admit(self, frames: list[bytes], now: float) -> tuple[str, Job] | None:
-        """Answer what can be answered at once; return (tool, job) for a call to run."""
+    def _admit(self, frames: list[bytes], now: float) -> list[tuple[str, Job]]:
+        """Answer what can be answered at once; return (tool, job) for each call to run."""
         peer = frames[0]
         if len(frames) != 2:
-            return self._reject(peer, None, P.E_BAD_FRAMES, f"expected 1 payload frame, got {len(frames) - 1}")
+            self._reject(peer, None, P.E_BAD_FRAMES, f"expected 1 payload frame, got {len(frames) - 1}")
+            return []
         payload = frames[1]
         if len(payload) > self.config.max_request_bytes:
-            return self._reject(
+            self._reject(
                 peer, None, P.E_TOO_LARGE,
                 f"request is {len(payload)} bytes; this server accepts at most {self.config.max_request_bytes}",
             )
+            return []
         try:
-            msg = P.unpack(payload)
+            decoded = P.unpack(payload)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            return self._reject(peer, None, P.E_MALFORMED, f"payload is not valid msgpack: {exc}")
+            self._reject(peer, None, P.E_MALFORMED, f"payload is not valid msgpack: {exc}")
+            return []
+        self.stats.num_requests += len(decoded) if isinstance(decoded, list) else 1
+        calls = []
+        for msg in decoded if isinstance(decoded, list) else [decoded]:
+            call = self._admit_one(peer, msg, now)
+            if call is not None:
+                calls.append(call)
+        return calls
+
+    def _admit_one(self, peer: bytes, msg: Any, now: float) -> tuple[str, Job] | None:
         if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
             return self._reject(peer, None, P.E_MALFORMED, "request must be a map with an integer 'id'")
         req_id, op = msg["id"], msg.get("op")
@@ -361,7 +371,9 @@ class ToolServer:
                 peer, req_id, P.E_OVERLOADED,
                 f"{self._num_in_flight} calls in flight (max_in_flight); not executed, retry later or elsewhere",
             )
+        self._num_in_flight += 1
         return tool.spec.name, Job(peer, req_id, args, now, now + float(timeout_s))
+
 
     def _reject(self, peer: bytes, req_id: int | None, err_type: str, message: str) -> None:
         self.stats.num_errors[err_type] += 1
@@ -381,26 +393,27 @@ class ToolServer:
                 assert outcome.error is not None
                 self.stats.num_errors[outcome.error.type] += 1
                 payload = P.error_reply(job.req_id, outcome.error.type, outcome.error.message, latency_s)
-            self._outbound.append((job.peer, payload, True))
+            self._outbound.setdefault(job.peer, []).append((payload, True))
 
     def _send_later(self, peer: bytes, payload: bytes) -> None:
-        self._outbound.append((peer, payload, False))
+        self._outbound.setdefault(peer, []).append((payload, False))
 
     def _flush(self, sock: zmq.Socket) -> None:
-        while self._outbound:
-            peer, payload, counted = self._outbound[0]
+        for peer in list(self._outbound):
+            items = self._outbound[peer]
+            frame = items[0][0] if len(items) == 1 else P.pack_array([payload for payload, _ in items])
             try:
-                sock.send_multipart([peer, payload], zmq.NOBLOCK)
+                sock.send_multipart([peer, frame], zmq.NOBLOCK)
             except zmq.Again:
-                return  # peer's pipe is full: keep it, stop reading requests until it drains
+                continue  # this peer's pipe is full: keep its replies, stop reading until it drains
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
-                self.stats.num_replies_unroutable += 1
-                log.info("reply to a disconnected peer dropped (%d so far)", self.stats.num_replies_unroutable)
-            self._outbound.popleft()
-            if counted:
-                self._num_in_flight -= 1
+                self.stats.num_replies_unroutable += len(items)
+                log.info("%d replies to a disconnected peer dropped (%d so far)", len(items),
+                         self.stats.num_replies_unroutable)
+            del self._outbound[peer]
+            self._num_in_flight -= sum(counted for _, counted in items)
 
 
 def configure_logging(level: str = "INFO") -> None:
