@@ -1,0 +1,223 @@
+"""The python tool against hostile code, through a real server and a real bubblewrap sandbox.
+
+Each case checks what the response says (limit hit, error seen by the code) and, through the
+`probe` fixture, that the sandbox is usable right after; the server is never restarted in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
+from agentrl.toolservers.process import start_toolserver
+
+LOCAL = "tcp://127.0.0.1:*"
+
+
+@pytest.fixture(scope="module")
+def python_server():
+    # 2 sandboxes; 16 processes per sandbox keeps the fork bomb short on a 2-core machine.
+    proc = start_toolserver("python", LOCAL, "--workers", "2", "--max-processes", "16", "--memory-mb", "512",
+                            "--max-file-mb", "8", "--tmpfs-mb", "32", "--max-output-bytes", "65536")
+    yield proc
+    assert proc.stop(15) == 0
+
+
+@pytest.fixture(scope="module")
+def single_sandbox_server():
+    """One sandbox, so consecutive calls are guaranteed to run in the same sandbox."""
+    proc = start_toolserver("python", LOCAL, "--workers", "1")
+    yield proc
+    assert proc.stop(15) == 0
+
+
+async def run(endpoint: str, code: str, **extra) -> dict:
+    async with ToolClient([endpoint]) as client:
+        resp = await client.call("python", {"code": code, **extra})
+        assert resp.ok, resp.error
+        after = await client.call("python", {"code": "print(6 * 7)"})
+        assert after.ok and after.content["stdout"] == "42\n" and after.content["limit"] is None, after
+    return resp.content
+
+
+async def test_describe_marks_python_not_idempotent(python_server):
+    async with ToolClient([python_server.endpoint]) as client:
+        spec = (await client.describe())[0]
+    assert spec["function"]["name"] == "python" and spec["idempotent"] is False
+    assert set(spec["function"]["parameters"]["properties"]) == {"code", "stdin", "timeout_s"}
+
+
+async def test_runs_code_with_stdin_and_reports_exit_code(python_server):
+    out = await run(python_server.endpoint, "import sys\ndata = sys.stdin.read()\nprint(data.upper())\nsys.exit(3)",
+                    stdin="hello")
+    assert out["stdout"] == "HELLO\n" and out["exit_code"] == 3 and out["limit"] is None
+    assert set(out) >= {"stdout", "stderr", "exit_code", "limit"}
+
+
+async def test_exceptions_come_back_as_tracebacks_of_the_users_code(python_server):
+    out = await run(python_server.endpoint, "x = 1\ny = x / 0")
+    assert out["exit_code"] == 1 and out["limit"] is None
+    assert 'File "<code>", line 2' in out["stderr"] and "ZeroDivisionError" in out["stderr"]
+
+
+async def test_fork_bomb_hits_the_process_limit(python_server):
+    out = await run(python_server.endpoint, "import os\nwhile True:\n    os.fork()", timeout_s=10)
+    assert out["limit"] == "processes"
+
+
+async def test_memory_bomb_hits_the_memory_limit(python_server):
+    out = await run(python_server.endpoint, "chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))")
+    assert out["limit"] == "memory" and "MemoryError" in out["stderr"]
+
+
+async def test_infinite_loop_hits_the_wall_time_limit(python_server):
+    out = await run(python_server.endpoint, "while True:\n    pass", timeout_s=0.5)
+    assert out["limit"] == "wall_time" and out["exit_code"] == -9
+
+
+async def test_sleeping_past_the_request_deadline_is_cut_at_the_deadline(python_server):
+    async with ToolClient([python_server.endpoint]) as client:
+        resp = await client.call("python", {"code": "import time\ntime.sleep(30)\nprint('woke')", "timeout_s": 30},
+                                 deadline_s=0.8)
+    assert resp.ok and resp.content["limit"] == "wall_time" and "woke" not in resp.content["stdout"]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "print(open('/etc/shadow').read())",
+        "print(open('/etc/passwd').read())",
+        f"print(open({os.path.abspath(__file__)!r}).read())",
+        "print(open('/work/main/pyproject.toml').read())",
+        "print(open('/root/.bashrc').read())",
+    ],
+)
+async def test_host_files_are_not_visible(python_server, code):
+    out = await run(python_server.endpoint, code)
+    assert out["exit_code"] == 1 and "FileNotFoundError" in out["stderr"] and out["stdout"] == ""
+
+
+async def test_environment_and_filesystem_show_nothing_of_the_host(python_server):
+    out = await run(python_server.endpoint, "import os\nprint(sorted(os.environ))\nprint(sorted(os.listdir('/')))")
+    env_line, root_line = out["stdout"].splitlines()
+    assert env_line == "['HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE']"
+    assert root_line == "['bin', 'dev', 'lib', 'lib64', 'proc', 'sbin', 'tmp', 'usr']"
+
+
+async def test_usr_is_read_only(python_server):
+    out = await run(python_server.endpoint, "open('/usr/evil', 'w').write('x')")
+    assert out["exit_code"] == 1 and "Read-only file system" in out["stderr"]
+
+
+async def test_network_connections_fail(python_server):
+    code = (
+        "import socket\n"
+        "for host in ('1.1.1.1', '127.0.0.1'):\n"
+        "    try:\n"
+        "        socket.create_connection((host, 80), timeout=2)\n"
+        "        print('connected', host)\n"
+        "    except OSError as exc:\n"
+        "        print('refused', host, exc.errno)\n"
+    )
+    out = await run(python_server.endpoint, code)
+    assert "connected" not in out["stdout"] and out["stdout"].count("refused") == 2
+
+
+async def test_huge_file_hits_the_file_size_limit(python_server):
+    out = await run(python_server.endpoint, "with open('/tmp/big', 'wb') as f:\n    f.write(b'x' * (64 << 20))")
+    assert out["limit"] == "file_size"
+
+
+async def test_many_files_fill_the_private_tmpfs(python_server):
+    code = "for i in range(100):\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (4 << 20))"
+    out = await run(python_server.endpoint, code)
+    assert out["limit"] == "disk" and "No space left" in out["stderr"]
+
+
+async def test_huge_stdout_hits_the_output_limit(python_server):
+    out = await run(python_server.endpoint, "while True:\n    print('x' * 1000)")
+    assert out["limit"] == "output" and len(out["stdout"]) == 65536
+
+
+async def test_killing_the_parent_does_not_kill_the_sandbox(python_server):
+    code = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)\nprint('alive')"
+    out = await run(python_server.endpoint, code)
+    assert out["stdout"] == "alive\n"
+    assert python_server.alive()
+
+
+async def test_nothing_outlives_a_call(single_sandbox_server):
+    """A call leaves background processes (one setsid'd, one double-forked) and a file; the next
+    call in the same sandbox sees neither, and the previous call's Python state is gone."""
+    spawn = (
+        "import os, subprocess\n"
+        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        "if os.fork() == 0:\n"
+        "    if os.fork() == 0:\n"
+        "        os.setsid()\n"
+        "        import time; time.sleep(1000)\n"
+        "    os._exit(0)\n"
+        "open('/tmp/left-behind', 'w').write('secret')\n"
+        "open('/dev/shm/left-behind', 'w').write('secret')\n"
+        "import builtins; builtins.LEAK = 'secret'\n"
+        "print('spawned')\n"
+    )
+    look = (
+        "import os, builtins\n"
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()) == sorted({1, os.getpid()}))\n"
+        "print(os.listdir('/tmp'), os.listdir('/dev/shm'), hasattr(builtins, 'LEAK'))\n"
+    )
+    async with ToolClient([single_sandbox_server.endpoint]) as client:
+        first = await client.call("python", {"code": spawn})
+        assert first.ok and first.content["stdout"] == "spawned\n"
+        second = await client.call("python", {"code": look})
+    assert second.content["stdout"] == "True\n[] [] False\n", second.content
+
+
+async def test_calls_run_concurrently_and_each_gets_its_own_output(python_server):
+    async with ToolClient([python_server.endpoint]) as client:
+        resps = await asyncio.gather(*[client.call("python", {"code": f"print({i} ** 2)"}) for i in range(40)])
+    assert [r.content["stdout"] for r in resps] == [f"{i * i}\n" for i in range(40)]
+
+
+async def test_replica_dying_during_a_non_idempotent_call_is_not_retried():
+    proc = start_toolserver("python", LOCAL, "--workers", "1")
+    try:
+        async with ToolClient([proc.endpoint], heartbeat_interval_s=0.1) as client:
+            call = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(5)"}))
+            await asyncio.sleep(0.5)
+            proc.kill()
+            with pytest.raises(ToolServiceUnavailable, match="not idempotent"):
+                await call
+    finally:
+        proc.stop(10)
+
+
+def test_refuses_to_start_without_bubblewrap(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path))  # no bwrap on PATH
+    res = subprocess.run([sys.executable, "-m", "agentrl.cli", "toolserver", "python", "--bind", LOCAL],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "bubblewrap" in res.stderr and "READY" not in res.stdout
+
+
+async def test_memory_spread_over_processes_hits_the_sandbox_memory_cgroup(python_server):
+    """Each process stays under its own 512 MiB address-space limit, together they pass the
+    sandbox's 512 MiB memory cgroup: the kernel kills one, and the response says so."""
+    code = (
+        "import os, time\n"
+        "for _ in range(3):\n"
+        "    if os.fork() == 0:\n"
+        "        block = b'x' * (300 << 20)\n"
+        "        time.sleep(5)\n"
+        "        os._exit(0)\n"
+        "block = b'x' * (300 << 20)\n"
+        "if all(os.wait()[1] == 0 for _ in range(3)):\n"
+        "    print('all survived')\n"
+    )
+    out = await run(python_server.endpoint, code, timeout_s=15)
+    assert out["limit"] == "memory" and "all survived" not in out["stdout"], out
