@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
 from agentrl.toolservers.process import start_toolserver
 
