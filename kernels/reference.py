@@ -37,11 +37,14 @@ def linear_logprob_reference(
     logits_NV = (hidden @ weight.T).to(_compute_dtype(hidden.dtype)) / temperature
     logp_NV = torch.log_softmax(logits_NV, dim=-1)
     logprobs = logp_NV.gather(1, targets.clamp(0, weight.shape[0] - 1)[:, None])[:, 0]
-    entropy = -(logp_NV.exp() * logp_NV).sum(-1)
     if mask is not None:
         logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    if not return_entropy:
+        return logprobs
+    entropy = -(logp_NV.exp() * logp_NV).sum(-1)
+    if mask is not None:
         entropy = torch.where(mask, entropy, torch.zeros_like(entropy))
-    return (logprobs, entropy) if return_entropy else logprobs
+    return logprobs, entropy
 
 
 def _segment_sum(values_N: torch.Tensor, seq_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
