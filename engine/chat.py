@@ -63,26 +63,28 @@ def render(messages: Sequence[tuple[str, str, str]]) -> str:
 CLOSED = IM_END + "\n"
 
 
-SYSTEM_PROMPT_TEMPLATE = """You answer questions by searching a knowledge base. You may call these tools:
+SYSTEM_PROMPT_TEMPLATE = """You answer questions by searching a knowledge base. Call a tool with <tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>. Look up one fact per search. When you know the answer, reply <answer>short answer</answer>.
 <tools>
 {tools}
-</tools>
-To call a tool, write <tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call> and stop. The result comes back in a tool message. Look up one fact per search. When you know the answer, write it as <answer>short answer</answer>.
+</tools>"""
 
-Example.
-Question: Which city was the founder of Brimbell Optics born in?
-<tool_call>{{"name": "search", "arguments": {{"query": "founder of Brimbell Optics"}}}}</tool_call>
-Result: Brimbell Optics was founded by Oska Venn in 1987.
-<tool_call>{{"name": "search", "arguments": {{"query": "Oska Venn born"}}}}</tool_call>
-Result: Oska Venn was born in Lorrowby.
-<answer>Lorrowby</answer>"""
+# One worked example on made-up entities, given as real chat turns after the system message. Measured
+# on this machine with SmolLM2-135M-Instruct (vLLM, 4 questions x 4 samples, first turn, 60 tokens):
+# the same example written as text inside the system prompt gave 2/16 valid search calls at T=1.0,
+# 6/16 at T=0.7 and 0/4 greedy; as chat turns, 6/16, 12/16 and 4/4.
+EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
+    ("user", "Question: Which city was the founder of Brimbell Optics born in?"),
+    ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "founder of Brimbell Optics"}}</tool_call>'),
+    ("tool", "<tool_response>\n[1] Brimbell Optics: Brimbell Optics was founded by Oska Venn in 1987.\n</tool_response>"),
+    ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "Oska Venn born"}}</tool_call>'),
+    ("tool", "<tool_response>\n[1] Oska Venn: Oska Venn was born in Lorrowby.\n</tool_response>"),
+    ("assistant", "<answer>Lorrowby</answer>"),
+)
 
 
 def system_prompt(tool_schemas: Sequence[dict]) -> str:
-    """The agent's system prompt: tool list plus one worked example on made-up entities.
-
-    One worked example matters at 135M: 3/8 samples made a valid search call with it, 0/8 without
-    (ENVIRONMENT.md). Tools are listed as compact one-line JSON to keep the prompt near 250 tokens."""
+    """The agent's system prompt: how to call tools and answer, and the tool list as compact one-line
+    JSON (about 130 tokens with the search tool; about 330 with `EXAMPLE_MESSAGES`)."""
     lines = [json.dumps({"name": s["function"]["name"], "description": s["function"].get("description", ""),
                          "parameters": s["function"].get("parameters", {})}, separators=(",", ":")) for s in tool_schemas]
     return SYSTEM_PROMPT_TEMPLATE.format(tools="\n".join(lines))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy as np
 from agentrl.engine import rewards as R
-from agentrl.engine.chat import CLOSED, IM_END, ChatFormat, system_prompt
+from agentrl.engine.chat import CLOSED, EXAMPLE_MESSAGES, IM_END, ChatFormat, system_prompt
 from agentrl.engine.metrics import exact_match, f1_score
 from agentrl.engine.parsers import HermesParser, ToolCall, ToolCallParser
 from agentrl.engine.tasks import QATask
@@ -46,7 +46,7 @@ class EnvConfig:
     """Policy turns per episode; the episode is truncated after the last one."""
     max_total_tokens: int = 4096
     """Whole episode length (prompt + actions + observations), tokens; must fit the server's max_model_len."""
-    max_action_tokens: int = 256
+    max_action_tokens: int = 128
     """Generation budget per turn, tokens. A correct 2-hop SmolLM2 episode used ~146 generated tokens in all."""
     min_action_tokens: int = 16
     """The episode is truncated when fewer tokens than this would be left for the next turn."""
@@ -136,14 +136,16 @@ class Transition:
 
 class ToolEnv:
     def __init__(self, chat: ChatFormat, config: EnvConfig | None = None, *, parser: ToolCallParser | None = None,
-                 system_prompt_text: str | None = None):
+                 system_prompt_text: str | None = None, example_messages: tuple[tuple[str, str], ...] | None = EXAMPLE_MESSAGES):
         self.chat = chat
         self.config = config or EnvConfig()
         self.parser = parser or HermesParser()
         self.tools: dict[str, Tool] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
         self._system_prompt_text = system_prompt_text
-        self._system_ids: list[int] | None = None
+        self.example_messages = tuple(example_messages or ())
+        """Chat turns between the system message and the question (a worked example); () for none."""
+        self._prefix_ids: list[int] | None = None
 
     def register_tool(self, tool: Tool) -> None:
         if tool.name in self.tools:
@@ -152,7 +154,7 @@ class ToolEnv:
         validator_cls.check_schema(tool.parameters)
         self.tools[tool.name] = tool
         self._validators[tool.name] = validator_cls(tool.parameters)
-        self._system_ids = None
+        self._prefix_ids = None
 
     @property
     def system_prompt(self) -> str:
@@ -161,11 +163,12 @@ class ToolEnv:
         return system_prompt([t.schema() for t in self.tools.values()])
 
     def reset(self, task: QATask, user_content: str | None = None) -> EpisodeState:
-        if self._system_ids is None:
-            self._system_ids = self.chat.message("system", self.system_prompt)
+        prefix = [("system", self.system_prompt), *self.example_messages]
+        if self._prefix_ids is None:  # same for every episode: tokenized once (and prefix-cached by vLLM)
+            self._prefix_ids = [i for role, content in prefix for i in self.chat.message(role, content)]
         user = user_content if user_content is not None else f"Question: {task.question}"
-        ids = [*self._system_ids, *self.chat.message("user", user), *self.chat.assistant_head_ids]
-        messages = [("system", self.system_prompt, CLOSED), ("user", user, CLOSED), ("assistant", "", "")]
+        ids = [*self._prefix_ids, *self.chat.message("user", user), *self.chat.assistant_head_ids]
+        messages = [(role, content, CLOSED) for role, content in prefix] + [("user", user, CLOSED), ("assistant", "", "")]
         return EpisodeState(task=task, token_ids=ids, is_action=[0] * len(ids), logprobs=[0.0] * len(ids),
                             versions=[-1] * len(ids), prompt_len=len(ids), messages=messages)
 

@@ -1,0 +1,158 @@
+"""The orchestrator: thousands of concurrent episodes, GRPO groups, staleness bound, backpressure.
+
+One asyncio loop. For every task it starts a group of `group_size` episodes (samples of one prompt);
+a group is emitted to the sink (the learner's `GroupSender.send`, a JSONL writer, a list) once all
+its samples have finished.
+
+Bounds (why memory stays flat):
+- at most `max_concurrent_episodes` episodes run at once (a semaphore taken per episode);
+- at most `max_groups_in_flight` groups exist between "started" and "accepted by the sink". The
+  sink blocks when the learner falls behind (GroupSender backpressure), the group keeps its slot,
+  and no new group starts: the orchestrator stops starting episodes rather than buffering them.
+  Finished-but-unsent trajectories are thus bounded by max_groups_in_flight x group_size.
+
+Staleness: with a `VersionSubscriber`, an episode starts only while
+(learner version - served version) <= `max_staleness`; otherwise it waits for the servers to catch
+up (weights pushed), at most `staleness_wait_s` before the run fails loudly.
+
+Nothing is dropped: every episode started returns a Trajectory (failed ones with status "failed"
+and the reason, see `episode.run_episode`), every group reaches the sink, and `stats` counts
+episodes started, finished, failed and groups emitted, so a report can check started == finished.
+An exception escaping an episode (a bug, not a named failure) cancels the run and is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from agentrl.engine.env import ToolEnv
+from agentrl.engine.episode import GenerateFn, SamplingConfig, run_episode
+from agentrl.engine.tasks import QATask
+from agentrl.engine.trajectory import TrajectoryGroup
+from agentrl.engine.transport import VersionSubscriber
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[TrajectoryGroup], Awaitable[None]]
+
+
+@dataclass
+class OrchestratorConfig:
+    group_size: int = 8
+    """Samples per prompt (GRPO's n)."""
+    max_concurrent_episodes: int = 1024
+    """Episodes running at once (each holds at most one generation request)."""
+    max_groups_in_flight: int = 256
+    """Groups started but not yet accepted by the sink; bounds memory when the sink blocks."""
+    max_staleness: int = 1
+    """k: start no episode while learner version - served version > k (policy versions)."""
+    staleness_wait_s: float = 1800.0
+    """Longest wait for the servers to catch up before the run fails, seconds."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.max_concurrent_episodes < 1 or self.max_groups_in_flight < 1:
+            raise ValueError("OrchestratorConfig: group_size, max_concurrent_episodes and max_groups_in_flight must be >= 1")
+        if self.max_staleness < 0:
+            raise ValueError("OrchestratorConfig.max_staleness must be >= 0")
+
+
+@dataclass
+class OrchestratorStats:
+    num_episodes_started: int = 0
+    num_episodes_finished: int = 0
+    num_episodes_failed: int = 0
+    num_groups_emitted: int = 0
+    num_turns: int = 0
+    num_action_tokens: int = 0
+    staleness_wait_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class Orchestrator:
+    def __init__(self, env: ToolEnv, generate: GenerateFn, sink: Sink, config: OrchestratorConfig | None = None, *,
+                 versions: VersionSubscriber | None = None, run_id: str | None = None, user_content: Callable[[QATask], str] | None = None):
+        self.env = env
+        self.generate = generate
+        self.sink = sink
+        self.config = config or OrchestratorConfig()
+        self.versions = versions
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        """Prefix of every group id: unique across runs and restarts, so the learner's dedup is sound."""
+        self.user_content = user_content
+        self.stats = OrchestratorStats()
+        self._episode_slots = asyncio.Semaphore(self.config.max_concurrent_episodes)
+        self._group_slots = asyncio.Semaphore(self.config.max_groups_in_flight)
+
+    async def run(self, tasks: Iterable[QATask]) -> OrchestratorStats:
+        """Run a group for every task; returns once every group has been accepted by the sink."""
+        start = time.perf_counter()
+        running: set[asyncio.Task] = set()
+        failure: list[BaseException] = []
+
+        def done(task: asyncio.Task) -> None:
+            running.discard(task)
+            self._group_slots.release()
+            if not task.cancelled() and task.exception() is not None:
+                failure.append(task.exception())
+
+        try:
+            for index, task in enumerate(tasks):
+                await self._group_slots.acquire()
+                if failure:
+                    self._group_slots.release()
+                    break
+                group_task = asyncio.create_task(self._run_group(task, f"{self.run_id}-{index}-{task.task_id}"))
+                running.add(group_task)
+                group_task.add_done_callback(done)
+            if running:
+                await asyncio.wait(set(running))
+        finally:
+            for t in list(running):
+                t.cancel()
+            if running:
+                await asyncio.wait(set(running), timeout=10.0)
+            self.stats.wall_s = time.perf_counter() - start
+        if failure:
+            raise failure[0]
+        return self.stats
+
+    async def _run_group(self, task: QATask, group_id: str) -> None:
+        samples = await asyncio.gather(*(self._run_sample(task, group_id, i) for i in range(self.config.group_size)))
+        await self.sink(TrajectoryGroup(group_id=group_id, task_id=task.task_id, trajectories=list(samples)))
+        self.stats.num_groups_emitted += 1
+
+    async def _run_sample(self, task: QATask, group_id: str, sample_index: int):
+        await self._wait_fresh_enough()
+        async with self._episode_slots:
+            self.stats.num_episodes_started += 1
+            traj = await run_episode(self.env, task, self.generate, self.config.sampling, group_id=group_id,
+                                     sample_index=sample_index, user_content=self.user_content(task) if self.user_content else None)
+        self.stats.num_episodes_finished += 1
+        self.stats.num_turns += len(traj.turns)
+        self.stats.num_action_tokens += int(traj.is_action.sum())
+        if traj.status == "failed":
+            self.stats.num_episodes_failed += 1
+            log.warning("episode %s/%d failed: %s", group_id, sample_index, traj.error)
+        return traj
+
+    async def _wait_fresh_enough(self) -> None:
+        if self.versions is None:
+            return
+        k = self.config.max_staleness
+        latest = self.versions.latest
+        if latest is not None and latest[0] - latest[1] <= k:
+            return
+        start = time.perf_counter()
+        try:
+            await self.versions.wait_until(lambda v: v[0] - v[1] <= k, timeout_s=self.config.staleness_wait_s)
+        except TimeoutError:
+            raise RuntimeError(f"servers stayed more than {k} versions behind the learner (latest {self.versions.latest}) "
+                               f"for {self.config.staleness_wait_s} s; is the weight push failing?") from None
+        finally:
+            self.stats.staleness_wait_s += time.perf_counter() - start

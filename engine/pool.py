@@ -1,0 +1,107 @@
+"""A pool of vLLM servers, balanced by outstanding requests, with dead servers taken out.
+
+`ServerPool.generate` sends each request to the live server with the fewest requests outstanding
+(ties: the first). If that server is unreachable or dies mid-request (`InferenceServerUnavailable`),
+it is marked dead and the same request (same prompt ids, same sampling parameters) is retried on
+another live server: a turn is regenerated whole, so the ids, log-probs and versions recorded all
+come from the one server that answered. After `max_attempts` or with no live server left, the
+error is raised to the episode runner, which marks the episode failed (never dropped silently).
+A server that rejects a request (`InferenceServerError`, e.g. a prompt too long) is not retried:
+another server would reject it too.
+
+A background probe (owned by the pool, cancelled by `close`) checks dead servers' /health every
+`probe_interval_s` and puts them back when they answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from agentrl.engine.inference import Generation, InferenceServerUnavailable, SamplingParams, VLLMClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Server:
+    client: VLLMClient
+    outstanding: int = 0
+    alive: bool = True
+    num_requests: int = 0
+    num_failures: int = 0
+
+
+class ServerPool:
+    def __init__(self, base_urls: list[str], *, max_attempts: int = 3, probe_interval_s: float = 5.0,
+                 request_timeout_s: float = 600.0, max_connections: int = 8192):
+        if not base_urls:
+            raise ValueError("ServerPool needs at least one server base URL")
+        self.servers = [_Server(VLLMClient(u, max_connections=max_connections, request_timeout_s=request_timeout_s)) for u in base_urls]
+        self.max_attempts = max_attempts
+        self.probe_interval_s = probe_interval_s
+        self._probe: asyncio.Task | None = None
+        self.num_generated_tokens = 0
+        self.num_retries = 0
+
+    async def __aenter__(self) -> ServerPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        self._probe = asyncio.create_task(self._probe_dead(), name="server-pool-probe")
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.wait([self._probe], timeout=timeout_s)
+            self._probe = None
+        await asyncio.wait_for(asyncio.gather(*(s.client.close() for s in self.servers)), timeout_s)
+
+    @property
+    def live_servers(self) -> list[str]:
+        return [s.client.base_url for s in self.servers if s.alive]
+
+    def _pick(self) -> _Server:
+        live = [s for s in self.servers if s.alive]
+        if not live:
+            raise InferenceServerUnavailable(f"no live inference server (all {len(self.servers)} are down)")
+        return min(live, key=lambda s: s.outstanding)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        last_error: InferenceServerUnavailable | None = None
+        for attempt in range(self.max_attempts):
+            server = self._pick()
+            server.outstanding += 1
+            server.num_requests += 1
+            try:
+                generation = await server.client.generate(prompt_ids, params)
+            except InferenceServerUnavailable as err:
+                self._mark_dead(server, err)
+                last_error = err
+                if attempt + 1 < self.max_attempts:
+                    self.num_retries += 1
+                continue
+            finally:
+                server.outstanding -= 1
+            self.num_generated_tokens += len(generation.token_ids)
+            return generation
+        raise InferenceServerUnavailable(f"generation failed on {self.max_attempts} attempts; last: {last_error}")
+
+    def _mark_dead(self, server: _Server, err: Exception) -> None:
+        server.num_failures += 1
+        if server.alive:
+            server.alive = False
+            log.warning("inference server %s taken out of the pool: %s", server.client.base_url, err)
+
+    async def _probe_dead(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            for server in self.servers:
+                if not server.alive and await server.client.health():
+                    server.alive = True
+                    log.warning("inference server %s is back in the pool", server.client.base_url)
