@@ -1,0 +1,382 @@
+"""Fused linear log-prob vs the materialised reference (and torch.compile of it): memory and time.
+
+    python benchmarks/kernels.py                 # CPU mode here; CUDA mode when a GPU is present
+    python benchmarks/kernels.py --device cuda   # what benchmarks/gpu_check.sh runs
+
+The measured step is what the learner does per micro-batch: logprobs = f(hidden, weight, targets),
+loss = (logprobs * g).sum(), loss.backward() into hidden and the LM-head weight (fp32 on the CPU,
+no mask, no entropy: the plain log-softmax + gather baseline).
+
+CPU mode: SmolLM2-135M's head (H = 576, V = 49152), N in {2048, 8192}, float32. Each path runs in a
+fresh subprocess (so one path's allocator state cannot hide another's), warms up once at N = 2048,
+then times 3 runs at N = 2048 and 2 at N = 8192 (an N = 8192 run of the reference is ~17 s of
+float32 matmul on 2 idle cores; more runs would push the default run far past 3 minutes).
+Peak extra memory: torch's CPU allocations are invisible to tracemalloc and the CPU caching
+allocator keeps no statistics, so the worker reads the kernel's own accounting: before the first
+timed run at each N it frees garbage, returns free heap pages to the OS (glibc malloc_trim), reads
+VmRSS, resets the high-water mark (writing 5 to /proc/self/clear_refs), runs once and reads VmHWM.
+Peak extra = VmHWM - VmRSS before: every byte the step touched at its peak, the weight and hidden
+gradients (113 MiB + O(N H), the same for every path) included. Linux only.
+
+CUDA mode: Qwen2.5-3B's head (H = 2048, V = 151936), N in {8192, 32768}, bf16. Times (CUDA events,
+median of 5 after 2 warm-ups) the forward alone and forward + backward for: the Triton path, the
+materialised reference, torch.compile of it, and the fused path with the policy loss against
+Liger-Kernel's LigerFusedLinearGRPOLoss on the same tokens; peak extra memory from
+torch.cuda.max_memory_allocated. Achieved TFLOP/s use 2NHV for the forward and 8NHV for training
+(forward 2NHV; backward: recompute 2NHV + grad_hidden 2NHV + grad_weight 2NHV).
+
+Prints progress on stderr and one JSON line last (flat keys) on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+CPU_HIDDEN, CPU_VOCAB, CPU_SIZES = 576, 49152, (2048, 8192)
+CPU_REPEATS = {2048: 3, 8192: 2}
+CPU_PATHS = ("fused", "reference", "compiled")
+CUDA_HIDDEN, CUDA_VOCAB, CUDA_SIZES = 2048, 151936, (8192, 32768)
+CUDA_WARMUP, CUDA_REPEATS = 2, 5
+# Targets from the issue: fused peak extra memory <= 5% of the materialised path at N = 8192, time <= 1.5x.
+MEM_TARGET, TIME_TARGET = 0.05, 1.5
+WORKER_TIMEOUT_S = 1800
+
+
+def log(msg: str) -> None:
+    print(f"[kernels-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def git_commit() -> str:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else f"unknown ({proc.stderr.strip()[:80]})"
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
+    try:
+        import triton
+
+        info["triton_version"] = triton.__version__
+    except ImportError as exc:
+        info["triton_version"] = f"not importable: {exc}"
+    return info
+
+
+def spread(values: list[float]) -> float:
+    return max(values) - min(values)
+
+
+# ----------------------------------------------------------------------------- CPU mode
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _cpu_worker(path: str) -> dict:
+    """One path, both sizes, in this (fresh) process. Returns {n: {peak_extra_bytes, times_s}}."""
+    import torch
+    from agentrl.kernels import linear_logprob, linear_logprob_reference
+
+    libc = ctypes.CDLL("libc.so.6")
+    if path == "fused":
+        fn = linear_logprob
+    elif path == "reference":
+        fn = linear_logprob_reference
+    else:
+        # dynamic=True: one compilation serves both N, so the N = 2048 warm-up covers N = 8192.
+        fn = torch.compile(linear_logprob_reference, dynamic=True)
+
+    def step(hidden, weight, targets, grad_N):
+        hidden.grad = None
+        weight.grad = None
+        (fn(hidden, weight, targets) * grad_N).sum().backward()
+
+    results = {}
+    for i, num_tokens in enumerate(CPU_SIZES):
+        gen = torch.Generator().manual_seed(num_tokens)
+        hidden = torch.randn(num_tokens, CPU_HIDDEN, generator=gen).requires_grad_()
+        weight = (torch.randn(CPU_VOCAB, CPU_HIDDEN, generator=gen) * 0.04).requires_grad_()
+        targets = torch.randint(0, CPU_VOCAB, (num_tokens,), generator=gen)
+        grad_N = torch.randn(num_tokens, generator=gen)
+        if i == 0:
+            t0 = time.perf_counter()
+            step(hidden, weight, targets, grad_N)
+            log(f"{path}: warm-up at N={num_tokens} took {time.perf_counter() - t0:.1f} s")
+        times = []
+        peak_extra = None
+        for r in range(CPU_REPEATS[num_tokens]):
+            hidden.grad = None
+            weight.grad = None
+            gc.collect()
+            libc.malloc_trim(0)
+            rss_before = _proc_status_bytes("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            t0 = time.perf_counter()
+            step(hidden, weight, targets, grad_N)
+            times.append(time.perf_counter() - t0)
+            if r == 0:
+                peak_extra = _proc_status_bytes("VmHWM") - rss_before
+            log(f"{path}: N={num_tokens} run {r}: {times[-1]:.2f} s")
+        results[str(num_tokens)] = {"peak_extra_bytes": peak_extra, "times_s": times}
+        del hidden, weight, targets, grad_N
+    return results
+
+
+def run_cpu() -> dict:
+    out = {"mode": "cpu", "hidden": CPU_HIDDEN, "vocab": CPU_VOCAB, "dtype": "float32"}
+    per_path = {}
+    for path in CPU_PATHS:
+        log(f"starting worker for {path}")
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--cpu-worker", path],
+            capture_output=True, text=True, timeout=WORKER_TIMEOUT_S,
+        )
+        sys.stderr.write(proc.stderr)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            if path != "compiled":
+                raise RuntimeError(f"{path} worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+            # The issue asks for torch.compile "where it compiles": a failure is reported, not hidden.
+            out["cpu_compiled_error"] = proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else "no output"
+            continue
+        per_path[path] = json.loads(lines[-1])
+
+    for path, results in per_path.items():
+        for n, r in results.items():
+            out[f"cpu_{path}_time_s_n{n}"] = round(statistics.median(r["times_s"]), 3)
+            out[f"cpu_{path}_time_spread_s_n{n}"] = round(spread(r["times_s"]), 3)
+            out[f"cpu_{path}_runs_n{n}"] = len(r["times_s"])
+            out[f"cpu_{path}_peak_extra_mib_n{n}"] = round(r["peak_extra_bytes"] / 2**20, 1)
+    for n in map(str, CPU_SIZES):
+        fused, ref = per_path["fused"][n], per_path["reference"][n]
+        out[f"cpu_mem_ratio_n{n}"] = round(fused["peak_extra_bytes"] / ref["peak_extra_bytes"], 4)
+        out[f"cpu_time_ratio_n{n}"] = round(statistics.median(fused["times_s"]) / statistics.median(ref["times_s"]), 3)
+        if "compiled" in per_path:
+            comp = per_path["compiled"][n]
+            out[f"cpu_compiled_mem_ratio_n{n}"] = round(comp["peak_extra_bytes"] / ref["peak_extra_bytes"], 4)
+            out[f"cpu_compiled_time_ratio_n{n}"] = round(
+                statistics.median(comp["times_s"]) / statistics.median(ref["times_s"]), 3
+            )
+    out["cpu_mem_target_met_n8192"] = out["cpu_mem_ratio_n8192"] <= MEM_TARGET
+    out["cpu_time_target_met_n8192"] = out["cpu_time_ratio_n8192"] <= TIME_TARGET
+    return out
+
+
+# ----------------------------------------------------------------------------- CUDA mode
+
+
+def _cuda_time(fn, warmup: int, repeats: int) -> list[float]:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _cuda_peak_extra(fn) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _cuda_one_size(n: int, out: dict, compiled_ref, liger_loss) -> None:
+    """All CUDA paths at one N; adds its keys to `out`. Tensors die with the frame."""
+    import torch
+    from agentrl.kernels import PolicyLossConfig, linear_logprob, linear_logprob_reference, policy_loss
+
+    device = torch.device("cuda")
+    config = PolicyLossConfig(eps_low=0.2, eps_high=0.28, is_cap=None, agg="token_mean")
+    seq_len = 1024
+    gen = torch.Generator(device=device).manual_seed(n)
+    hidden = (torch.randn(n, CUDA_HIDDEN, generator=gen, device=device) * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(CUDA_VOCAB, CUDA_HIDDEN, generator=gen, device=device) * 0.02).bfloat16()
+    weight.requires_grad_()
+    targets = torch.randint(0, CUDA_VOCAB, (n,), generator=gen, device=device)
+    grad_N = torch.randn(n, generator=gen, device=device)
+    num_seqs = n // seq_len
+    seq_ids = torch.arange(n, device=device) // seq_len
+    mask = torch.ones(n, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        old_lp = linear_logprob(hidden, weight, targets) + 0.05 * torch.randn(n, generator=gen, device=device)
+    adv_S = torch.randn(num_seqs, generator=gen, device=device)
+    fwd_flop, train_flop = 2 * n * CUDA_HIDDEN * CUDA_VOCAB, 8 * n * CUDA_HIDDEN * CUDA_VOCAB
+
+    def zero_grads():
+        hidden.grad = None
+        weight.grad = None
+
+    def logprob_paths():
+        yield "fused", linear_logprob
+        yield "reference", linear_logprob_reference
+        yield "compiled", compiled_ref
+
+    for name, fn in logprob_paths():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(hidden, weight, targets)
+
+        def train(fn=fn):
+            zero_grads()
+            (fn(hidden, weight, targets) * grad_N).sum().backward()
+
+        key = f"cuda_{name}"
+        try:
+            t_fwd = _cuda_time(fwd, CUDA_WARMUP, CUDA_REPEATS)
+            t_train = _cuda_time(train, CUDA_WARMUP, CUDA_REPEATS)
+            peak = _cuda_peak_extra(train)
+        except torch.cuda.OutOfMemoryError as exc:
+            out[f"{key}_error_n{n}"] = f"out of memory: {str(exc).splitlines()[0][:200]}"
+            zero_grads()
+            gc.collect()
+            torch.cuda.empty_cache()
+            log(f"{name} N={n}: out of memory")
+            continue
+        except Exception as exc:  # torch.compile failures surface here; reported, not hidden
+            out[f"{key}_error_n{n}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            log(traceback.format_exc())
+            continue
+        out[f"{key}_fwd_ms_n{n}"] = round(1e3 * statistics.median(t_fwd), 3)
+        out[f"{key}_fwd_spread_ms_n{n}"] = round(1e3 * spread(t_fwd), 3)
+        out[f"{key}_train_ms_n{n}"] = round(1e3 * statistics.median(t_train), 3)
+        out[f"{key}_train_spread_ms_n{n}"] = round(1e3 * spread(t_train), 3)
+        out[f"{key}_fwd_tflops_n{n}"] = round(fwd_flop / statistics.median(t_fwd) / 1e12, 1)
+        out[f"{key}_train_tflops_n{n}"] = round(train_flop / statistics.median(t_train) / 1e12, 1)
+        out[f"{key}_peak_extra_mib_n{n}"] = round(peak / 2**20, 1)
+        log(f"{name} N={n}: fwd {out[f'{key}_fwd_ms_n{n}']} ms, train {out[f'{key}_train_ms_n{n}']} ms")
+
+    def ours_grpo():
+        zero_grads()
+        lp = linear_logprob(hidden, weight, targets)
+        loss, _ = policy_loss(lp, old_lp, None, adv_S[seq_ids], mask, seq_ids, num_seqs=num_seqs, config=config)
+        loss.backward()
+
+    def liger_grpo():
+        zero_grads()
+        result = liger_loss(
+            hidden.view(num_seqs, seq_len, CUDA_HIDDEN), weight, targets.view(num_seqs, seq_len),
+            mask.view(num_seqs, seq_len).long(), adv_S, old_per_token_logps=old_lp.view(num_seqs, seq_len),
+        )
+        (result[0] if isinstance(result, tuple) else result).backward()
+
+    grpo_paths = [("fused_grpo", ours_grpo)] + ([("liger_grpo", liger_grpo)] if liger_loss is not None else [])
+    for name, fn in grpo_paths:
+        key = f"cuda_{name}"
+        try:
+            t_train = _cuda_time(fn, CUDA_WARMUP, CUDA_REPEATS)
+            peak = _cuda_peak_extra(fn)
+        except Exception as exc:  # an API mismatch in a third-party loss is reported, not hidden
+            out[f"{key}_error_n{n}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            log(traceback.format_exc())
+            continue
+        out[f"{key}_train_ms_n{n}"] = round(1e3 * statistics.median(t_train), 3)
+        out[f"{key}_train_spread_ms_n{n}"] = round(1e3 * spread(t_train), 3)
+        out[f"{key}_train_tflops_n{n}"] = round(train_flop / statistics.median(t_train) / 1e12, 1)
+        out[f"{key}_peak_extra_mib_n{n}"] = round(peak / 2**20, 1)
+        log(f"{name} N={n}: train {out[f'{key}_train_ms_n{n}']} ms")
+    if f"cuda_fused_train_ms_n{n}" in out and f"cuda_reference_train_ms_n{n}" in out:
+        out[f"cuda_time_ratio_n{n}"] = round(out[f"cuda_fused_train_ms_n{n}"] / out[f"cuda_reference_train_ms_n{n}"], 3)
+        out[f"cuda_mem_ratio_n{n}"] = round(
+            out[f"cuda_fused_peak_extra_mib_n{n}"] / out[f"cuda_reference_peak_extra_mib_n{n}"], 4
+        )
+    if f"cuda_fused_grpo_train_ms_n{n}" in out and f"cuda_liger_grpo_train_ms_n{n}" in out:
+        out[f"cuda_vs_liger_time_ratio_n{n}"] = round(
+            out[f"cuda_fused_grpo_train_ms_n{n}"] / out[f"cuda_liger_grpo_train_ms_n{n}"], 3
+        )
+
+
+def run_cuda() -> dict:
+    import torch
+    from agentrl.kernels import linear_logprob_reference
+
+    device = torch.device("cuda")
+    out = {
+        "mode": "cuda", "gpu": torch.cuda.get_device_name(device), "hidden": CUDA_HIDDEN, "vocab": CUDA_VOCAB,
+        "dtype": "bfloat16",
+    }
+    compiled_ref = torch.compile(linear_logprob_reference, dynamic=False)
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger_loss = LigerFusedLinearGRPOLoss(
+            beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo"
+        )
+    except ImportError as exc:
+        liger_loss = None
+        out["liger_error"] = f"liger-kernel not importable: {exc}"
+
+    for n in CUDA_SIZES:
+        _cuda_one_size(n, out, compiled_ref, liger_loss)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when available, else cpu")
+    parser.add_argument("--cpu-worker", choices=CPU_PATHS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cpu_worker:
+        print(json.dumps(_cpu_worker(args.cpu_worker)))
+        return 0
+
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    started = time.perf_counter()
+    result = machine_info()
+    result.update(run_cuda() if device == "cuda" else run_cpu())
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
