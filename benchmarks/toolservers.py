@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -72,12 +73,16 @@ def make_args(tool: str, i: int) -> dict:
 
 
 def check(tool: str, i: int, content) -> None:
-    expected = {
-        "calculator": lambda c: c["value"] == str(__import__("fractions").Fraction((i + 7) * 3, 5) - 8),
-        "search": lambda c: len(c) == 3,
-        "python": lambda c: c["stdout"] == f"{i * i}\n",
-    }[tool]
-    if not expected(content):
+    """Every answer is checked, cheaply (the checker shares the 2 cores with the server)."""
+    if tool == "calculator":
+        numerator = (i + 7) * 3 - 40  # (i + 7) * 3 / 5 - 8 == ((i + 7) * 3 - 40) / 5
+        g = math.gcd(numerator, 5)
+        good = content["value"] == (f"{numerator // g}" if g == 5 else f"{numerator // g}/{5 // g}")
+    elif tool == "search":
+        good = len(content) == 3
+    else:
+        good = content["stdout"] == f"{i * i}\n"
+    if not good:
         raise AssertionError(f"{tool} call {i} answered wrongly: {content!r}")
 
 

@@ -337,3 +337,35 @@ def test_process_helper_reports_a_server_that_dies_before_ready(tmp_path):
     with pytest.raises(ToolServerStartError, match="exited with 2 before READY"):
         start_toolserver("search", LOCAL)  # no --corpus
     assert os.path.exists(CORPUS)
+
+
+async def test_a_call_nobody_answers_returns_deadline_exceeded_after_the_grace():
+    """A replica that answers heartbeats but never a call (a wedged tool): the client gives the
+    caller a deadline_exceeded response instead of waiting forever."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    describe = [{"type": "function", "idempotent": True,
+                 "function": {"name": "stuck", "description": "", "parameters": {"type": "object"}}}]
+
+    async def serve():
+        while True:
+            peer, payload = await router.recv_multipart()
+            for msg in (lambda m: m if isinstance(m, list) else [m])(msgpack.unpackb(payload)):
+                if msg["op"] in ("ping", "describe"):
+                    content = describe if msg["op"] == "describe" else {}
+                    reply = {"id": msg["id"], "ok": True, "content": content, "error": None, "latency_s": 0.0}
+                    await router.send_multipart([peer, msgpack.packb(reply)])
+
+    server = asyncio.create_task(serve())
+    try:
+        async with ToolClient([f"tcp://127.0.0.1:{port}"], heartbeat_interval_s=0.1, reply_grace_s=0.2) as client:
+            resp = await client.call("stuck", {}, deadline_s=0.3)
+            assert not resp.ok and resp.error.type == "deadline_exceeded"
+            assert "no reply within 0.3 s" in resp.error.message
+            assert client.live_replicas() == [f"tcp://127.0.0.1:{port}"]
+    finally:
+        server.cancel()
+        router.close(0)
+        ctx.term()

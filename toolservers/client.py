@@ -18,8 +18,8 @@ Public API (the engine and the training supervisor code against exactly these na
   resent).
 - `deadline_s` is the call's time budget in seconds from now (default `request_timeout_s`). The
   server answers `deadline_exceeded` when it cannot finish in time; if no reply at all arrives
-  within the budget plus `reply_grace_s`, the call returns ok=False, error type
-  `deadline_exceeded`, `server_latency_s` = 0.
+  within the budget plus `reply_grace_s` (checked every `heartbeat_interval_s`), the call returns
+  ok=False, error type `deadline_exceeded`, `server_latency_s` = 0.
 
 How replicas are used:
 - Each replica gets its own DEALER socket, so a reply is always matched against the requests sent
@@ -80,14 +80,20 @@ class ToolResponse:
     """Endpoint of the replica that answered."""
 
 
-@dataclass
 class _Pending:
-    req_id: int
-    payload_fields: dict
-    retry_on_death: bool
-    deadline_s: float  # loop.time() after which the caller no longer waits
-    future: asyncio.Future
-    replica: _Replica | None = None
+    """One call from first send to resolution (it keeps its future across resends)."""
+
+    __slots__ = ("req_id", "payload_fields", "retry_on_death", "budget_s", "deadline_s", "future", "replica")
+
+    def __init__(self, payload_fields: dict, retry_on_death: bool, budget_s: float, deadline_s: float,
+                 future: asyncio.Future):
+        self.req_id = 0
+        self.payload_fields = payload_fields
+        self.retry_on_death = retry_on_death
+        self.budget_s = budget_s
+        self.deadline_s = deadline_s  # loop.time() after which the caller no longer waits
+        self.future = future
+        self.replica: _Replica | None = None
 
 
 class _Replica:
@@ -227,35 +233,32 @@ class ToolClient:
             raise RuntimeError("ToolClient used before start() (or after close())")
         loop = asyncio.get_running_loop()
         async with self._slots:
-            pending = _Pending(0, fields, retry_on_death, loop.time() + budget_s, loop.create_future())
-            # One timer per call rather than asyncio.wait_for: wait_for wraps the future in a task,
-            # which costs more than the rest of a calculator call on the client side.
-            timer = loop.call_at(pending.deadline_s + self.reply_grace_s, self._expire, pending, budget_s)
+            pending = _Pending(fields, retry_on_death, budget_s, loop.time() + budget_s, loop.create_future())
             backoff_s = 0.005
-            try:
-                while True:
-                    await self._send(pending)
-                    resp = await pending.future
-                    if resp.ok or resp.error.type not in P.NOT_EXECUTED_ERRORS:
-                        return resp
-                    if loop.time() + backoff_s >= pending.deadline_s:
-                        return resp
-                    # Not executed (overloaded or stopping): safe to resend, even if not idempotent.
-                    self.stats["num_resent"] += 1
-                    await asyncio.sleep(backoff_s)
-                    backoff_s = min(backoff_s * 2, 0.2)
-                    pending.future = loop.create_future()
-            finally:
-                timer.cancel()
+            while True:
+                # A call with no reply by its deadline + reply_grace_s is answered by the heartbeat
+                # loop's sweep (_expire), not by a timer per call: timers cost more than the rest
+                # of a calculator call on the client side.
+                await self._send(pending)
+                resp = await pending.future
+                if resp.ok or resp.error.type not in P.NOT_EXECUTED_ERRORS:
+                    return resp
+                if loop.time() + backoff_s >= pending.deadline_s:
+                    return resp
+                # Not executed (overloaded or stopping): safe to resend, even if not idempotent.
+                self.stats["num_resent"] += 1
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 0.2)
+                pending.future = loop.create_future()
 
-    def _expire(self, pending: _Pending, budget_s: float) -> None:
-        if pending.future.done():
-            return
+    def _expire(self, pending: _Pending) -> None:
         rep = pending.replica
         endpoint = rep.endpoint if rep is not None else "?"
         if rep is not None:
             rep.pending.pop(pending.req_id, None)
-        message = f"no reply within {budget_s} s (+{self.reply_grace_s} s grace) from {endpoint}"
+        if pending.future.done():
+            return
+        message = f"no reply within {pending.budget_s} s (+{self.reply_grace_s} s grace) from {endpoint}"
         pending.future.set_result(ToolResponse(False, None, ToolError(P.E_DEADLINE, message), 0.0, endpoint))
 
     async def _send(self, pending: _Pending) -> None:
@@ -403,6 +406,8 @@ class ToolClient:
         while True:
             now = loop.time()
             for rep in self._replicas:
+                for pending in [p for p in rep.pending.values() if now > p.deadline_s + self.reply_grace_s]:
+                    self._expire(pending)
                 if rep.alive and now - rep.last_seen_s > self.dead_after_s:
                     self._mark_dead(rep, f"silent for {now - rep.last_seen_s:.1f} s")
                 if not rep.alive:
