@@ -69,7 +69,7 @@ class ToolServiceUnavailable(RuntimeError):
     """The call could not be delivered to (or its result recovered from) any replica."""
 
 
-@dataclass
+@dataclass(slots=True)
 class ToolResponse:
     ok: bool
     content: Any
@@ -298,6 +298,8 @@ class ToolClient:
         self._flush_outbox(rep)
 
     def _pick(self, exclude: _Replica | None) -> _Replica:
+        if len(self._replicas) == 1 and self._replicas[0].alive:
+            return self._replicas[0]
         alive = [r for r in self._replicas if r.alive]
         if not alive:
             raise ToolServiceUnavailable(

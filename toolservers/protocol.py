@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,8 +68,16 @@ class ToolError:
     message: str
 
 
+# A Packer reused per thread: packb builds one per call (~30% slower); a Packer is not thread-safe.
+_local = threading.local()
+
+
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    try:
+        packer = _local.packer
+    except AttributeError:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)
 
 
 def unpack(payload: bytes) -> Any:

@@ -114,7 +114,7 @@ class ToolSpec:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One accepted call, from receipt to reply."""
 
@@ -127,7 +127,7 @@ class Job:
     """time.monotonic() after which the caller no longer wants the result."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     ok: bool
     content: Any = None
