@@ -57,6 +57,10 @@ def _build_tool(args: argparse.Namespace) -> Tool:
     if args.name == "calculator":
         from agentrl.toolservers.calculator import CalculatorTool
 
+        if args.workers is not None:
+            raise ValueError("calculator runs inline on the server loop (~10 us a call); --workers does not "
+                             "apply. For more throughput start more replicas and list them all in the client.")
+
         return CalculatorTool()
     if args.name == "search":
         from agentrl.toolservers.search import SearchConfig, SearchTool
