@@ -369,3 +369,41 @@ async def test_a_call_nobody_answers_returns_deadline_exceeded_after_the_grace()
         server.cancel()
         router.close(0)
         ctx.term()
+
+
+async def test_a_tool_crashing_on_one_input_answers_that_call_with_an_error_and_serves_the_rest():
+    """In-process server (real socket) with a tool that raises on x == 13: that call gets a
+    tool_error naming the exception, the other calls of the same batch succeed, the server lives."""
+    import socket
+    import threading
+
+    from agentrl.toolservers.server import ServerConfig, Tool, ToolServer, ToolSpec
+
+    class Fragile(Tool):
+        spec = ToolSpec("fragile", "doubles x", {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                 "required": ["x"]}, idempotent=True)
+
+        def run(self, args: dict) -> int:
+            if args["x"] == 13:
+                raise RuntimeError("unlucky input")
+            return 2 * args["x"]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ToolServer(ServerConfig(bind=f"tcp://127.0.0.1:{port}"), [Fragile()])
+    thread = threading.Thread(target=server.serve, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        async with ToolClient([f"tcp://127.0.0.1:{port}"]) as client:
+            resps = await asyncio.gather(*[client.call("fragile", {"x": x}) for x in range(20)])
+            again = await client.call("fragile", {"x": 21})
+    finally:
+        server.stop()
+        thread.join(10)
+    for x, resp in enumerate(resps):
+        if x == 13:
+            assert not resp.ok and resp.error.type == "tool_error" and "RuntimeError: unlucky input" in resp.error.message
+        else:
+            assert resp.ok and resp.content == 2 * x
+    assert again.ok and again.content == 42 and not thread.is_alive()

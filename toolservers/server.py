@@ -164,8 +164,24 @@ class Tool:
         return outcomes
 
     def submit(self, jobs: list[Job]) -> list[tuple[Job, Outcome]]:
-        """Take accepted jobs; return those finished now (inline tools finish all of them)."""
-        return list(zip(jobs, self.run_batch(jobs), strict=True))
+        """Take accepted jobs; return those finished now (inline tools finish all of them).
+
+        An unexpected exception from the tool's code on some input is logged with its traceback
+        and answered as `tool_error` to the calls it hit (each call of the batch is retried alone
+        to find them), so one request cannot take the service down for every other client."""
+        try:
+            return list(zip(jobs, self.run_batch(jobs), strict=True))
+        except Exception:  # noqa: BLE001  logged below and reported to the callers it affected
+            log.exception("tool %s failed on a batch of %d calls; retrying them one by one", self.spec.name, len(jobs))
+        done = []
+        for job in jobs:
+            try:
+                done.append((job, self.run_batch([job])[0]))
+            except Exception as exc:  # noqa: BLE001  same: logged, and answered to this caller
+                log.exception("tool %s failed on call %d", self.spec.name, job.req_id)
+                message = f"internal error in tool {self.spec.name}: {type(exc).__name__}: {exc}"
+                done.append((job, Outcome.failure(P.E_TOOL, message)))
+        return done
 
     def fds(self) -> list[int]:
         """File descriptors to poll for finished jobs."""
