@@ -60,8 +60,10 @@ class VLLMServerConfig:
     dtype: str = "bfloat16"
     """Serving dtype. bf16 runs ~2x faster than fp32 on this CPU (AVX-512 BF16)."""
     gpu_memory_utilization: float | None = None
-    """Fraction of device memory for weights + KV cache. On the CPU backend it is a fraction of NUMA
-    node 0's memory (~8.5 GiB here); None means 0.5 on CPU (the default 0.92 fails at start) and 0.9 on CUDA."""
+    """Fraction of device memory reserved for weights + KV cache. On the CPU backend it is a fraction of
+    NUMA node 0's memory, reserved at start (23.5 GiB here: 0.15 is 3.5 GiB, the 135M weights plus
+    ~100k tokens of bf16 KV cache; 0.5 fails when other processes hold half the machine). None means
+    0.15 on CPU and 0.9 on CUDA."""
     max_model_len: int = 4096
     """Longest sequence (prompt + generation) in tokens."""
     seed: int = 0
@@ -87,7 +89,7 @@ class VLLMServer:
     def command(self) -> list[str]:
         cfg = self.config
         cpu = vllm_is_cpu_build()
-        gmu = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else (0.5 if cpu else 0.9)
+        gmu = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else (0.15 if cpu else 0.9)
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
@@ -103,6 +105,11 @@ class VLLMServer:
         ]
         if cfg.enforce_eager if cfg.enforce_eager is not None else cpu:
             cmd.append("--enforce-eager")
+        if cpu:
+            # vLLM 0.32's CPU worker crashes the engine ("CPU Generator does not use offset") when a
+            # request with its own seed is cut by a partial (chunked) prefill, which a hot swap's
+            # cache clear makes likely. Whole prefills avoid that path.
+            cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cfg.max_model_len)]
         return cmd + list(cfg.extra_args)
 
     def start(self, timeout_s: float = 300.0) -> str:

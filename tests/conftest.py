@@ -27,7 +27,7 @@ def vllm_server(model_dir, tmp_path_factory):
 
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     server = VLLMServer(
-        VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.3),
+        VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.15),
         log_path=log_path,
     )
     server.start(timeout_s=float(os.environ.get("AGENTRL_TEST_VLLM_START_TIMEOUT_S", 400)))

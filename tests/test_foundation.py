@@ -236,7 +236,7 @@ def _group_members(pgid: int) -> list[int]:
 def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.2"],
+        [sys.executable, "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
     )
     try:
