@@ -91,8 +91,9 @@ def check(tool: str, i: int, content) -> None:
 
 def serve_http(tool_name: str, port: int, corpus: str | None, cache_dir: str | None) -> None:
     """BASELINE: the project's Tool objects behind aiohttp, one JSON POST per call."""
-    from agentrl.toolservers.server import Job
     from aiohttp import web
+
+    from agentrl.toolservers.server import Job
 
     if tool_name == "calculator":
         from agentrl.toolservers.calculator import CalculatorTool

@@ -20,6 +20,7 @@ import pytest
 import zmq
 import zmq.asyncio
 import zmq.auth
+
 from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
 from agentrl.toolservers.process import ToolServerStartError, start_toolserver
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
 from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
 from agentrl.toolservers.process import start_toolserver
 
@@ -220,3 +222,37 @@ async def test_memory_spread_over_processes_hits_the_sandbox_memory_cgroup(pytho
     )
     out = await run(python_server.endpoint, code, timeout_s=15)
     assert out["limit"] == "memory" and "all survived" not in out["stdout"], out
+
+
+async def test_sigterm_answers_running_and_queued_calls_and_exits_within_its_grace():
+    """One sandbox: call A runs (sleeps 30 s), call B waits in the queue. SIGTERM: B is answered
+    `shutting_down` (not executed: safe to resend), A is answered as cut off after the 2 s grace,
+    and the server exits 0 by itself."""
+    proc = start_toolserver("python", LOCAL, "--workers", "1")
+    try:
+        async with ToolClient([proc.endpoint]) as client:
+            running = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(30)",
+                                                                   "timeout_s": 30}))
+            await asyncio.sleep(0.3)
+            # Raw frame for B: the client library would resend a shutting_down call by itself.
+            import msgpack
+            import zmq
+            import zmq.asyncio
+
+            ctx = zmq.asyncio.Context()
+            raw = ctx.socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(proc.endpoint)
+            await raw.send(msgpack.packb({"id": 7, "op": "call", "tool": "python",
+                                          "args": {"code": "print('B')"}, "timeout_s": 30}))
+            await asyncio.sleep(0.3)
+            proc.kill(signal.SIGTERM)
+            queued = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 10))
+            resp = await asyncio.wait_for(running, 15)
+            raw.close(0)
+            ctx.term()
+        assert queued["id"] == 7 and queued["error"]["type"] == "shutting_down"
+        assert not resp.ok and resp.error.type == "sandbox_error" and "stopped" in resp.error.message
+        assert proc.popen.wait(15) == 0
+    finally:
+        proc.stop(10)

@@ -23,6 +23,7 @@ import json
 import sys
 
 import zmq.auth
+
 from agentrl.toolservers.server import ServerConfig, Tool, ToolServer, configure_logging
 
 SERVICES = ("calculator", "search", "python")

@@ -56,9 +56,10 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
 from agentrl.toolservers import protocol as P
 from agentrl.toolservers.protocol import ToolError
-from zmq.utils.monitor import parse_monitor_message
 
 __all__ = ["ToolClient", "ToolError", "ToolResponse", "ToolServiceUnavailable"]
 
@@ -430,6 +431,17 @@ class ToolClient:
             return
         rep.alive = False
         self.stats["num_replica_deaths"] += 1
+        # Replies that arrived before the connection dropped (e.g. the answers a stopping server
+        # flushed) are delivered, not resent: the monitor event can overtake the reader.
+        if rep.sock is not None:
+            drain = zmq.Socket.shadow(rep.sock.underlying)
+            while True:
+                try:
+                    msg = P.unpack(drain.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                for one in msg if isinstance(msg, list) else (msg,):
+                    self._on_reply(rep, one)
         orphans = list(rep.pending.values())
         rep.pending.clear()
         log.warning("replica %s declared dead (%s); %d calls in flight there", rep.endpoint, reason, len(orphans))

@@ -376,6 +376,15 @@ class PythonTool(Tool):
     def num_running(self) -> int:
         return sum(s.job is not None for s in self.slots)
 
+    def abort_running(self) -> list[tuple[Job, Outcome]]:
+        done = []
+        for slot in self.slots:
+            if slot.job is not None:
+                message = "the server stopped while this call ran (after its shutdown grace period)"
+                done.append((slot.job, Outcome.failure(P.E_SANDBOX, message)))
+                slot.job = None
+        return done
+
     def close(self, timeout_s: float) -> None:
         for slot in self.slots:
             if slot.popen is not None and slot.popen.stdin is not None:

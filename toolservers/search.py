@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bm25s
-from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 from bm25s.tokenization import Tokenizer
+
+from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 
 log = logging.getLogger(__name__)
 

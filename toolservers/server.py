@@ -4,7 +4,8 @@ Lifecycle: `ToolServer(config, tools).serve()` binds, starts every tool (the pyt
 its sandboxes here), prints `READY <endpoint>` on stdout once requests are accepted, and loops
 until SIGTERM/SIGINT (or `stop()`). Shutdown is bounded: queued calls are answered
 `shutting_down` (not executed, so safe to resend anywhere), running calls get
-`ServerConfig.shutdown_grace_s` to finish, tools are closed, and the socket closes with a
+`ServerConfig.shutdown_grace_s` to finish (those still running then are answered with an error
+and their workers killed), tools are closed, and the socket closes with a
 `linger_ms` bound so that unsent replies cannot hang the exit (ZeroMQ's default linger is
 forever).
 
@@ -39,8 +40,9 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.auth
-from agentrl.toolservers import protocol as P
 from zmq.auth.thread import ThreadAuthenticator
+
+from agentrl.toolservers import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +203,10 @@ class Tool:
     def num_running(self) -> int:
         return 0
 
+    def abort_running(self) -> list[tuple[Job, Outcome]]:
+        """On shutdown, after the grace period: the calls still running, answered as failed."""
+        return []
+
     def close(self, timeout_s: float) -> None:
         pass
 
@@ -222,6 +228,7 @@ class ToolServer:
             raise ValueError("two tools share a name")
         self.stats = ServerStats()
         self._stop = False
+        self._draining = False
         self._num_in_flight = 0
         # peer -> [(packed reply, counts toward in-flight)], sent as one frame per peer per turn
         self._outbound: dict[bytes, list[tuple[bytes, bool]]] = {}
@@ -292,17 +299,26 @@ class ToolServer:
         for tool in self.tools.values():
             for job in tool.cancel_queued():
                 self._finish([(job, Outcome.failure(P.E_SHUTTING_DOWN, "server is stopping; not executed"))])
+        # Draining: keep answering pings (so clients do not declare this replica dead while its
+        # last calls finish) and answer new calls `shutting_down`.
+        self._draining = True
         end = time.monotonic() + self.config.shutdown_grace_s
         poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
         fd_owner: dict[int, Tool] = {}
         while time.monotonic() < end and any(t.num_running() for t in self.tools.values()):
             fd_owner = self._sync_fds(poller, fd_owner)
             for target, _ in poller.poll(20):
-                self._finish(fd_owner[target].on_readable(target))
+                if target is sock:
+                    self._read_requests(sock)
+                else:
+                    self._finish(fd_owner[target].on_readable(target))
             now = time.monotonic()
             for tool in self.tools.values():
                 self._finish(tool.tick(now))
             self._flush(sock)
+        for tool in self.tools.values():
+            self._finish(tool.abort_running())
         self._flush(sock)
         if self._outbound:
             log.warning("shutdown: %d replies could not be sent (clients not reading)", len(self._outbound))
@@ -382,6 +398,8 @@ class ToolServer:
         problem = P.validate_args(args, tool.spec.parameters)
         if problem:
             return self._reject(peer, req_id, P.E_INVALID_ARGS, problem)
+        if self._draining:
+            return self._reject(peer, req_id, P.E_SHUTTING_DOWN, "server is stopping; not executed")
         if self._num_in_flight >= self.config.max_in_flight:
             return self._reject(
                 peer, req_id, P.E_OVERLOADED,
