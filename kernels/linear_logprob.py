@@ -2,7 +2,8 @@
 the [N, V] logits.
 
 Shape legend: N tokens, M unmasked tokens (rows actually computed), H hidden size, V vocabulary
-size, C rows per chunk.
+size, C rows per chunk (GPU backward), Vc vocabulary entries per chunk (CPU path), K rows whose
+target falls in the current vocabulary chunk.
 
 Math, per unmasked row i with z_i = hidden_i @ weight.T / temperature (float32 accumulation):
 
@@ -21,9 +22,11 @@ Masked rows are dropped before any arithmetic (an index_select of M rows), so th
 forward or backward; their outputs are 0 and their hidden-state gradient is 0.
 
 Two implementations with identical semantics, chosen by device in `linear_logprob`:
-- "chunked" (pure torch, CPU): C rows at a time, C chosen so one [C, V] float32 buffer is about
-  16 MiB (C = 85 at V = 49152). Peak extra memory: two such buffers + the float32 weight gradient
-  + O(M H), instead of several [N, V] tensors (1.6 GB each at N = 8192, V = 49152).
+- "chunked" (pure torch, CPU): the vocabulary in chunks of Vc rows of the weight (one [M, Vc]
+  float32 buffer is about 16 MiB: Vc = 512 at M = 8192) with the same online log-sum-exp as the
+  Triton kernel; the backward recomputes each chunk, writes that chunk's rows of grad_weight once
+  and accumulates grad_hidden. Peak extra memory: two such buffers + the weight gradient + O(M H),
+  instead of several [N, V] tensors (1.6 GB each at N = 8192, V = 49152).
 - "triton" (CUDA; `triton_linear_logprob`): a fused forward kernel that streams vocabulary tiles
   through an online log-sum-exp (no [N, V] or [C, V] buffer at all), and a backward that recomputes
   the logits tile by tile in a Triton kernel (float32 accumulation) into a [C, V] buffer of
@@ -40,10 +43,12 @@ import math
 
 import torch
 
-# About 16 MiB for one [C, V] float32 buffer (C = 85 at V = 49152): at most two are alive at once,
-# so the chunk buffers add ~32 MiB to the float32 weight gradient (113 MiB at SmolLM2's V x H),
-# against ~4.8 GB of [N, V] tensors in the materialised path at N = 8192; 85 rows still keep the
-# C x H x V matmuls in the BLAS's efficient regime.
+# About 16 MiB for one [M, Vc] float32 buffer of the vocabulary-chunked CPU path (Vc = 512 at
+# M = 8192): at most two are alive at once, so they add ~32 MiB to the float32 weight gradient
+# (113 MiB at SmolLM2's V x H), against ~4.8 GB of [N, V] tensors in the materialised path at
+# N = 8192. Chunking the vocabulary (not the rows) keeps every matmul tall (M rows) and reads the
+# weight once per pass: row chunks of 85 rows re-read the 113 MiB weight and re-wrote the weight
+# gradient ~100 times at N = 8192 and ran 2x slower than the materialised path.
 _CPU_CHUNK_BYTES = 16 * 2**20
 
 
@@ -51,59 +56,91 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def cpu_chunk_rows(vocab_size: int) -> int:
-    return max(1, _CPU_CHUNK_BYTES // (4 * vocab_size))
+def cpu_vocab_chunk(num_rows: int, vocab_size: int) -> int:
+    """Vc: vocabulary rows per chunk of the CPU path, a multiple of 64 (>= 64, <= V)."""
+    return min(vocab_size, max(64, _CPU_CHUNK_BYTES // (4 * max(num_rows, 1)) // 64 * 64))
 
 
-def _forward_chunked(
+def _targets_in_chunk(targets_M: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows whose target lies in [start, stop), their target's column within the chunk)."""
+    rows_K = ((targets_M >= start) & (targets_M < stop)).nonzero()[:, 0]
+    return rows_K, targets_M[rows_K] - start
+
+
+def _forward_vocab_chunked(
     hidden_MH: torch.Tensor, weight_VH: torch.Tensor, targets_M: torch.Tensor, inv_temperature: float,
-    want_entropy: bool, chunk_rows: int,
+    want_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Online log-sum-exp over vocabulary chunks, the torch twin of `_logprob_fwd_kernel`:
+    running max m, s = sum exp(z - m), t = sum exp(z - m) (z - m), and the target logit."""
     compute = _compute_dtype(hidden_MH.dtype)
-    weight_c = weight_VH.to(compute)
-    num_rows = hidden_MH.shape[0]
-    logprobs_M = torch.empty(num_rows, dtype=compute, device=hidden_MH.device)
-    lse_M = torch.empty_like(logprobs_M)
-    entropy_M = torch.empty_like(logprobs_M) if want_entropy else None
-    for start in range(0, num_rows, chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        z_CV = hidden_MH[rows].to(compute) @ weight_c.T
-        z_CV.mul_(inv_temperature)
-        target_logit_C = z_CV.gather(1, targets_M[rows, None])[:, 0]
-        max_C = z_CV.amax(dim=1)
-        shifted_CV = z_CV.sub_(max_C[:, None])
+    hidden_c = hidden_MH.to(compute)
+    num_rows, vocab_size = hidden_MH.shape[0], weight_VH.shape[0]
+    chunk = cpu_vocab_chunk(num_rows, vocab_size)
+    device = hidden_MH.device
+    max_M = torch.full((num_rows,), -torch.inf, dtype=compute, device=device)
+    sum_M = torch.zeros(num_rows, dtype=compute, device=device)
+    shifted_sum_M = torch.zeros(num_rows, dtype=compute, device=device)
+    target_logit_M = torch.zeros(num_rows, dtype=compute, device=device)
+    for start in range(0, vocab_size, chunk):
+        stop = min(start + chunk, vocab_size)
+        z_MC = hidden_c @ weight_VH[start:stop].to(compute).T
+        z_MC.mul_(inv_temperature)
+        rows_K, cols_K = _targets_in_chunk(targets_M, start, stop)
+        target_logit_M[rows_K] = z_MC[rows_K, cols_K]
+        new_max_M = torch.maximum(max_M, z_MC.amax(dim=1))
+        alpha_M = torch.exp(max_M - new_max_M)  # 0 on the first chunk (max_M = -inf)
+        rel_MC = z_MC.sub_(new_max_M[:, None])
         if want_entropy:
-            # Sums relative to the row max (as in the Triton kernel): entropy = log s - t / s with
-            # s = sum exp(z - max), t = sum exp(z - max) (z - max); no lse - E[z] cancellation.
-            exp_CV = shifted_CV.exp()
-            sum_C = exp_CV.sum(1)
-            entropy_M[rows] = sum_C.log() - exp_CV.mul_(shifted_CV).sum(1) / sum_C
-            del exp_CV
+            exp_MC = rel_MC.exp()
+            chunk_sum_M = exp_MC.sum(1)
+            # sum_M is 0 on the first chunk, where (max_M - new_max_M) is -inf: select, never multiply.
+            shift_M = torch.where(sum_M > 0, max_M - new_max_M, 0.0) * sum_M
+            shifted_sum_M = alpha_M * (shifted_sum_M + shift_M) + exp_MC.mul_(rel_MC).sum(1)
+            sum_M = alpha_M * sum_M + chunk_sum_M
+            del exp_MC
         else:
-            sum_C = shifted_CV.exp_().sum(1)
-        lse_M[rows] = max_C + sum_C.log()
-        logprobs_M[rows] = target_logit_C - lse_M[rows]
-        del z_CV, shifted_CV  # before the next chunk's matmul allocates its buffer
-    return logprobs_M, entropy_M, lse_M
+            sum_M = alpha_M * sum_M + rel_MC.exp_().sum(1)
+        max_M = new_max_M
+        del z_MC, rel_MC  # before the next chunk's matmul allocates its buffer
+    log_sum_M = sum_M.log()
+    lse_M = max_M + log_sum_M
+    entropy_M = log_sum_M - shifted_sum_M / sum_M if want_entropy else None
+    return target_logit_M - lse_M, entropy_M, lse_M
 
 
-def _grad_logits_torch(
-    hidden_CH: torch.Tensor, weight_c: torch.Tensor, targets_C: torch.Tensor, lse_C: torch.Tensor,
-    entropy_C: torch.Tensor | None, grad_logprobs_C: torch.Tensor, grad_entropy_C: torch.Tensor | None,
+def _backward_vocab_chunked(
+    hidden_MH: torch.Tensor, weight_VH: torch.Tensor, targets_M: torch.Tensor, lse_M: torch.Tensor,
+    entropy_M: torch.Tensor | None, grad_logprobs_M: torch.Tensor, grad_entropy_M: torch.Tensor | None,
     inv_temperature: float,
-) -> torch.Tensor:
-    """d loss / d (hidden @ weight.T) for C rows, as a [C, V] tensor in the compute dtype."""
-    logp_CV = hidden_CH.to(weight_c.dtype) @ weight_c.T
-    logp_CV.mul_(inv_temperature).sub_(lse_C[:, None])
-    if grad_entropy_C is None:
-        grad_CV = logp_CV.exp_().mul_(-grad_logprobs_C[:, None])
-    else:
-        p_CV = logp_CV.exp()
-        coef_CV = logp_CV.add_(entropy_C[:, None]).mul_(grad_entropy_C[:, None]).add_(grad_logprobs_C[:, None])
-        grad_CV = p_CV.mul_(coef_CV).neg_()
-        del coef_CV, logp_CV
-    grad_CV.scatter_add_(1, targets_C[:, None], grad_logprobs_C[:, None])
-    return grad_CV.mul_(inv_temperature)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recompute each vocabulary chunk's logits, form d/dz there, and write that chunk's rows of the
+    weight gradient exactly once; the hidden gradient ([M, H], small) accumulates across chunks."""
+    compute = _compute_dtype(hidden_MH.dtype)
+    hidden_c = hidden_MH.to(compute)
+    num_rows, vocab_size = hidden_MH.shape[0], weight_VH.shape[0]
+    chunk = cpu_vocab_chunk(num_rows, vocab_size)
+    grad_hidden_MH = torch.zeros(hidden_MH.shape, dtype=compute, device=hidden_MH.device)
+    grad_weight_VH = torch.empty_like(weight_VH)
+    for start in range(0, vocab_size, chunk):
+        stop = min(start + chunk, vocab_size)
+        weight_c = weight_VH[start:stop].to(compute)
+        logp_MC = hidden_c @ weight_c.T
+        logp_MC.mul_(inv_temperature).sub_(lse_M[:, None])
+        if grad_entropy_M is None:
+            grad_MC = logp_MC.exp_().mul_(-grad_logprobs_M[:, None])
+        else:
+            p_MC = logp_MC.exp()
+            coef_MC = logp_MC.add_(entropy_M[:, None]).mul_(grad_entropy_M[:, None]).add_(grad_logprobs_M[:, None])
+            grad_MC = p_MC.mul_(coef_MC).neg_()
+            del coef_MC, logp_MC
+        rows_K, cols_K = _targets_in_chunk(targets_M, start, stop)
+        grad_MC[rows_K, cols_K] += grad_logprobs_M[rows_K]
+        grad_MC.mul_(inv_temperature)
+        grad_hidden_MH.addmm_(grad_MC, weight_c)
+        grad_weight_VH[start:stop] = grad_MC.T @ hidden_c
+        del grad_MC
+    return grad_hidden_MH.to(hidden_MH.dtype), grad_weight_VH
 
 
 def backward_chunked(
@@ -138,9 +175,8 @@ class LinearLogprobFunction(torch.autograd.Function):
     def forward(ctx, hidden_MH, weight_VH, targets_M, temperature, want_entropy, backend):
         inv_temperature = 1.0 / temperature
         if backend == "chunked":
-            chunk_rows = cpu_chunk_rows(weight_VH.shape[0])
-            logprobs_M, entropy_M, lse_M = _forward_chunked(
-                hidden_MH, weight_VH, targets_M, inv_temperature, want_entropy, chunk_rows
+            logprobs_M, entropy_M, lse_M = _forward_vocab_chunked(
+                hidden_MH, weight_VH, targets_M, inv_temperature, want_entropy
             )
         else:
             from agentrl.kernels.triton_linear_logprob import forward_triton
@@ -168,29 +204,23 @@ class LinearLogprobFunction(torch.autograd.Function):
         elif grad_entropy_M is not None:
             grad_entropy_M = grad_entropy_M.to(lse_M.dtype).contiguous()
         inv_t = ctx.inv_temperature
+        entropy_or_none_M = None if grad_entropy_M is None else entropy_M
         if ctx.backend == "chunked":
-            weight_c = weight_VH.to(_compute_dtype(weight_VH.dtype))
-
-            def grad_logits_fn(rows: slice) -> torch.Tensor:
-                return _grad_logits_torch(
-                    hidden_MH[rows], weight_c, targets_M[rows], lse_M[rows],
-                    None if grad_entropy_M is None else entropy_M[rows], grad_logprobs_M[rows],
-                    None if grad_entropy_M is None else grad_entropy_M[rows], inv_t,
-                )
-
-            chunk_rows = cpu_chunk_rows(weight_VH.shape[0])
+            grad_hidden_MH, grad_weight_VH = _backward_vocab_chunked(
+                hidden_MH, weight_VH, targets_M, lse_M, entropy_or_none_M, grad_logprobs_M, grad_entropy_M, inv_t
+            )
         else:
             from agentrl.kernels.triton_linear_logprob import cuda_chunk_rows, grad_logits_triton
 
             def grad_logits_fn(rows: slice) -> torch.Tensor:
                 return grad_logits_triton(
                     hidden_MH[rows], weight_VH, targets_M[rows], lse_M[rows],
-                    None if grad_entropy_M is None else entropy_M[rows], grad_logprobs_M[rows],
+                    None if entropy_or_none_M is None else entropy_or_none_M[rows], grad_logprobs_M[rows],
                     None if grad_entropy_M is None else grad_entropy_M[rows], inv_t,
                 )
 
             chunk_rows = cuda_chunk_rows(weight_VH.shape[0], hidden_MH.element_size())
-        grad_hidden_MH, grad_weight_VH = backward_chunked(hidden_MH, weight_VH, chunk_rows, grad_logits_fn)
+            grad_hidden_MH, grad_weight_VH = backward_chunked(hidden_MH, weight_VH, chunk_rows, grad_logits_fn)
         return (
             grad_hidden_MH if ctx.needs_input_grad[0] else None,
             grad_weight_VH if ctx.needs_input_grad[1] else None,

@@ -11,6 +11,7 @@ a missed mask is >= 1e-2). The Triton kernels are tested in test_kernels_triton.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -22,7 +23,19 @@ from agentrl.kernels import (
     policy_loss,
     policy_loss_reference,
 )
-from agentrl.kernels.linear_logprob import cpu_chunk_rows
+from agentrl.kernels.linear_logprob import cpu_vocab_chunk
+
+
+linear_logprob_module = importlib.import_module("agentrl.kernels.linear_logprob")
+
+
+@pytest.fixture(params=["one_chunk", "many_chunks"])
+def vocab_chunking(request, monkeypatch):
+    """The CPU path either fits V = 1003 in one chunk or crosses 16 chunks of 64 (the last partial),
+    so the online log-sum-exp's rescaling between chunks is exercised at small shapes too."""
+    if request.param == "many_chunks":
+        monkeypatch.setattr(linear_logprob_module, "_CPU_CHUNK_BYTES", 1)
+    return request.param
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str) -> None:
@@ -68,7 +81,7 @@ def check_against_reference(hidden_NH, weight_VH, targets_N, mask_N, temperature
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_logprob_matches_reference_at_odd_shape(temperature):
+def test_chunked_logprob_matches_reference_at_odd_shape(temperature, vocab_chunking):
     inputs = make_logprob_inputs(37, 64, 1003)
     lp_N, ent_N, grad_h, _ = check_against_reference(*inputs[:4], temperature, *inputs[4:])
     mask_N = inputs[3]
@@ -78,8 +91,10 @@ def test_chunked_logprob_matches_reference_at_odd_shape(temperature):
 
 
 def test_chunked_logprob_matches_reference_at_smollm2_shape():
-    # H = 576, V = 49152 (SmolLM2-135M's head); N spans three chunks so chunk edges are covered.
-    num_tokens = 2 * cpu_chunk_rows(49152) + 61
+    # H = 576, V = 49152 (SmolLM2-135M's head); the vocabulary spans several chunks, the last one partial.
+    num_tokens = 300
+    num_chunks = -(-49152 // cpu_vocab_chunk(num_tokens, 49152))
+    assert num_chunks >= 3 and 49152 % cpu_vocab_chunk(num_tokens, 49152) != 0
     inputs = make_logprob_inputs(num_tokens, 576, 49152, seed=1)
     check_against_reference(*inputs[:4], 1.0, *inputs[4:])
 
@@ -93,7 +108,7 @@ def test_logprob_without_mask_and_without_entropy_grad():
     assert_close(lp_only, linear_logprob_reference(hidden_NH.double(), weight_VH.double(), targets_N), 2e-5, 2e-5, "lp")
 
 
-def test_extreme_logits_stay_finite_and_exact():
+def test_extreme_logits_stay_finite_and_exact(vocab_chunking):
     # Logits of order +-1e4: exp overflows without the running max, and lse - E[z] cancels to garbage
     # in float32 without the shifted entropy sums.
     inputs = make_logprob_inputs(23, 64, 1003, seed=3, scale=3e3)
