@@ -20,7 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("agentrl.engine.cli:eval_main", "evaluate a policy on a task set (EM/F1)"),
     "rollout": ("agentrl.engine.cli:rollout_main", "run episodes and write their trajectories"),
     "learner": ("agentrl.learner.cli:main", "run the learner process"),
-    "train": ("agentrl.train:main", "run the whole training job (services, orchestrator, learner)"),
+    "actor": ("agentrl.train:actor_main", "run the actor process (the orchestrator of a training run)"),
+    "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
     "demo": ("agentrl.demo:main", "serve the model, run token-in/token-out requests and one hot swap"),
 }
 

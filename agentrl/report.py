@@ -1,0 +1,125 @@
+"""`report.md` and its plots for a run directory of `agentrl train`.
+
+Reads only files the run wrote (phases.json, evals.jsonl, sft/ and rl/metrics.jsonl,
+actor/stats.jsonl), so it can be regenerated after the fact: `python -m agentrl.report RUN_DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
+    series = {k: v for k, v in series.items() if v[0]}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def write_report(run_dir: str | Path) -> Path:
+    run = Path(run_dir)
+    plots = run / "plots"
+    plots.mkdir(exist_ok=True)
+    phases = json.loads((run / "phases.json").read_text()) if (run / "phases.json").exists() else {}
+    evals = _jsonl(run / "evals.jsonl")
+    sft = _jsonl(run / "sft" / "metrics.jsonl")
+    rl = _jsonl(run / "rl" / "metrics.jsonl")
+    actor = _jsonl(run / "actor" / "stats.jsonl")
+    images: list[tuple[str, str | None]] = []
+
+    t0 = min((e["time"] for e in evals), default=0.0)
+    tracked = [e for e in evals if e["label"] != "naive_rag"]
+    images.append(("Held-out exact match over time", _plot(
+        plots / "heldout_em.png", "Held-out EM (greedy)",
+        {"EM": ([(e["time"] - t0) / 60 for e in tracked], [e["em"] for e in tracked]),
+         "F1": ([(e["time"] - t0) / 60 for e in tracked], [e["f1"] for e in tracked])},
+        "minutes since the first evaluation")))
+
+    reward_keys = sorted({k for r in rl for k in r if k.startswith("reward/") and not k.startswith("reward/weight")})
+    images.append(("Reward terms (RL, per optimizer step; raw means per episode)", _plot(
+        plots / "rewards.png", "Reward terms",
+        {k.removeprefix("reward/"): ([r["step"] for r in rl if k in r], [r[k] for r in rl if k in r]) for k in reward_keys},
+        "learner version (optimizer step)")))
+    images.append(("Staleness of trained tokens (versions behind the learner)", _plot(
+        plots / "staleness.png", "Staleness",
+        {"mean": ([r["step"] for r in rl if "staleness/mean" in r], [r["staleness/mean"] for r in rl if "staleness/mean" in r]),
+         "max": ([r["step"] for r in rl if "staleness/max" in r], [r["staleness/max"] for r in rl if "staleness/max" in r])},
+        "learner version")))
+    images.append(("Learner throughput", _plot(
+        plots / "learner_throughput.png", "Learner tokens/s",
+        {"sft": ([r["step"] for r in sft if "tokens_per_s" in r], [r["tokens_per_s"] for r in sft if "tokens_per_s" in r]),
+         "rl": ([r["step"] for r in rl if "tokens_per_s" in r], [r["tokens_per_s"] for r in rl if "tokens_per_s" in r])},
+        "learner version", "tokens/s")))
+    if actor:
+        xs = [a["elapsed_s"] / 60 for a in actor]
+        images.append(("Actor throughput", _plot(
+            plots / "actor_throughput.png", "Episodes finished (cumulative)",
+            {"episodes": (xs, [a["num_episodes_finished"] for a in actor]),
+             "groups": (xs, [a["num_groups_emitted"] for a in actor])}, "minutes of RL")))
+    images.append(("Learner time split per step (s)", _plot(
+        plots / "time_split.png", "Where the learner's time goes",
+        {name: ([r["step"] for r in rl if key in r], [r[key] for r in rl if key in r])
+         for name, key in (("waiting for data", "time/wait_s"), ("computing", "time/compute_s"),
+                           ("publishing (stall)", "time/publish_stall_s"))},
+        "learner version", "seconds")))
+
+    lines = ["# Training report", "", f"Run directory: `{run}`", ""]
+    base = phases.get("baseline", {})
+    rows = [("Base Tool Call (untrained, with tools)", base.get("base_tool_call")), ("Naive RAG", base.get("naive_rag")),
+            ("After SFT cold start", phases.get("sft")), ("After RL (final)", phases.get("final"))]
+    lines += ["## Held-out results", "", "| policy | EM | F1 | n |", "| --- | --- | --- | --- |"]
+    for name, r in rows:
+        if r:
+            lines.append(f"| {name} | {r['em']:.3f} | {r['f1']:.3f} | {r['n']} |")
+    if base.get("base_tool_call") and phases.get("final"):
+        lines += ["", f"EM gain over Base Tool Call: **{phases['final']['em'] - base['base_tool_call']['em']:+.3f}**"]
+    if phases.get("sft") and phases.get("final"):
+        lines.append(f"EM gain of the RL phase over the SFT-only checkpoint: **{phases['final']['em'] - phases['sft']['em']:+.3f}**")
+    if rl:
+        total_wait = sum(r.get("time/wait_s", 0) for r in rl)
+        total_compute = sum(r.get("time/compute_s", 0) for r in rl)
+        total_publish = sum(r.get("time/publish_stall_s", 0) for r in rl)
+        lines += ["", "## RL phase", "",
+                  f"- optimizer steps: {rl[-1]['step']} (versions include the SFT steps)",
+                  f"- learner time: waiting for data {total_wait:.0f} s, computing {total_compute:.0f} s, "
+                  f"stalled by weight publishing {total_publish:.0f} s",
+                  f"- learner restarts: {phases.get('rl', {}).get('learner_restarts', 0)}"]
+    if actor:
+        a = actor[-1]
+        lines.append(f"- actor: {a['num_episodes_finished']} episodes ({a['num_episodes_failed']} failed), "
+                     f"{a['num_groups_emitted']} groups, {a['num_turns']} turns in {a['elapsed_s'] / 60:.1f} min")
+    lines += ["", "## Plots", ""]
+    for title, name in images:
+        if name:
+            lines += [f"### {title}", "", f"![{title}](plots/{name})", ""]
+    path = run / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+if __name__ == "__main__":
+    print(write_report(sys.argv[1]))
