@@ -256,3 +256,27 @@ async def test_sigterm_answers_running_and_queued_calls_and_exits_within_its_gra
         assert proc.popen.wait(15) == 0
     finally:
         proc.stop(10)
+
+
+async def test_a_sandbox_killed_from_outside_is_replaced_and_its_call_answered():
+    """SIGKILL the sandbox (bwrap) process from the host while a call runs in it: the call is
+    answered `sandbox_error`, the slot gets a fresh sandbox, and the next call succeeds."""
+    proc = start_toolserver("python", LOCAL, "--workers", "1")
+    try:
+        def sandbox_pids() -> list[int]:
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+            return [int(p) for p in out.stdout.split()]
+
+        (first,) = sandbox_pids()
+        async with ToolClient([proc.endpoint]) as client:
+            running = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(20)"}))
+            await asyncio.sleep(0.5)
+            os.kill(first, signal.SIGKILL)
+            resp = await asyncio.wait_for(running, 10)
+            assert not resp.ok and resp.error.type == "sandbox_error"
+            after = await client.call("python", {"code": "print('fresh')"})
+            assert after.ok and after.content["stdout"] == "fresh\n"
+        (second,) = sandbox_pids()
+        assert second != first
+    finally:
+        assert proc.stop(10) == 0

@@ -51,6 +51,9 @@ def _server_parser() -> argparse.ArgumentParser:
     py.add_argument("--max-file-mb", type=int, help="largest file a call may write")
     py.add_argument("--tmpfs-mb", type=int, help="size of the sandbox's private /tmp")
     py.add_argument("--max-output-bytes", type=int, help="stdout and stderr kept per call, each")
+    py.add_argument("--no-memory-cgroup", action="store_true",
+                    help="no per-sandbox memory cgroup (hosts without writable cgroup v1): only the "
+                         "per-process address-space limit then bounds memory")
     return ap
 
 
@@ -88,6 +91,7 @@ def _build_tool(args: argparse.Namespace) -> Tool:
     for key, value in overrides.items():
         if value is not None:
             setattr(cfg, key, value)
+    cfg.memory_cgroup = not args.no_memory_cgroup
     return PythonTool(cfg)
 
 

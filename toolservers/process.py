@@ -7,7 +7,8 @@
 The service runs in its own session (process group), so `stop` can end it together with anything
 it started (its sandboxes) by that group's id, never by name. `stop` sends SIGTERM, waits up to
 `timeout_s`, then SIGKILLs the group. Its stderr (the log) goes to `log_path`, or to a temporary
-file whose last lines are quoted if the service dies before READY.
+file whose last lines are quoted if the service dies before READY, and which is removed when the
+service exits cleanly (exit code 0).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ class ToolServerStartError(RuntimeError):
 
 
 class ToolServerProcess:
-    def __init__(self, name: str, popen: subprocess.Popen, endpoint: str, log_path: str):
+    def __init__(self, name: str, popen: subprocess.Popen, endpoint: str, log_path: str,
+                 remove_log_on_clean_exit: bool = False):
         self.name = name
         self.popen = popen
         self.endpoint = endpoint
         self.log_path = log_path
+        self._remove_log = remove_log_on_clean_exit
 
     @property
     def pid(self) -> int:
@@ -57,6 +60,9 @@ class ToolServerProcess:
         code = self.popen.wait(timeout_s)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
+        if code == 0 and self._remove_log:
+            os.unlink(self.log_path)  # our temporary log of a clean run; kept when anything failed
+            self._remove_log = False
         return code
 
     def _kill_group(self) -> None:
@@ -78,6 +84,7 @@ def start_toolserver(
     env: dict[str, str] | None = None,
 ) -> ToolServerProcess:
     """Run `agentrl toolserver NAME --bind BIND *args` and return once it printed READY."""
+    temporary_log = log_path is None
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"agentrl-toolserver-{name}-", suffix=".log")
         os.close(fd)
@@ -87,7 +94,7 @@ def start_toolserver(
             cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
             start_new_session=True, env=env,
         )
-    proc = ToolServerProcess(name, popen, "", log_path)
+    proc = ToolServerProcess(name, popen, "", log_path, remove_log_on_clean_exit=temporary_log)
     assert popen.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(popen.stdout, selectors.EVENT_READ)

@@ -126,6 +126,28 @@ def _memory_cgroup_root() -> Path | None:
     return None
 
 
+def _empty_cgroup(cgroup: Path, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while pids := (cgroup / "cgroup.procs").read_text().split():
+        if time.monotonic() > end:
+            raise RuntimeError(f"processes {pids} still in {cgroup} after SIGKILL and {timeout_s} s")
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # exited between the read and the kill
+        time.sleep(0.005)
+
+
+def _remove_stale_cgroups(root: Path) -> None:
+    """Remove empty slot cgroups left by servers that were SIGKILLed (they cannot clean up)."""
+    for cgroup in root.glob("agentrl-sandbox-*-*"):
+        owner_pid = int(cgroup.name.split("-")[2])
+        if owner_pid != os.getpid() and not Path(f"/proc/{owner_pid}").exists():
+            if not (cgroup / "cgroup.procs").read_text().strip():
+                cgroup.rmdir()
+
+
 def _oom_kills(cgroup: Path | None) -> int:
     if cgroup is None:
         return 0
@@ -193,6 +215,8 @@ class PythonTool(Tool):
     # --- slots -----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self._cgroup_root is not None:
+            _remove_stale_cgroups(self._cgroup_root)
         for slot in self.slots:
             self._spawn(slot)
         # Wait for every sandbox to say ready, so READY means "calls run now at full speed".
@@ -263,6 +287,11 @@ class PythonTool(Tool):
         except ProcessLookupError:
             pass  # already gone
         slot.popen.wait(5)
+        if slot.cgroup is not None:
+            # The sandbox's PID 1 runs in its own session (bwrap --new-session), so the group kill
+            # above reaches only bwrap; its processes die by PDEATHSIG, asynchronously. Kill what
+            # the cgroup still holds and wait until it is empty, so it can be reused or removed.
+            _empty_cgroup(slot.cgroup, timeout_s=5.0)
         for stream in (slot.popen.stdin, slot.popen.stdout):
             if stream is not None:
                 stream.close()
