@@ -17,8 +17,8 @@ for its workers (python). Finished calls become replies.
 Backpressure, and why nothing is dropped silently:
 - At most `max_in_flight` calls are accepted (accepted = received and not yet handed to ZeroMQ as
   a reply). A call beyond that is answered at once with `overloaded`, which says it was NOT
-  executed, so the client may resend it. Pings and describes are always answered, so a busy
-  replica still looks alive to its clients' heartbeats.
+  executed, so the client may resend it. Pings and describes are answered whatever the load of
+  calls, so a busy replica still looks alive to its clients' heartbeats.
 - Replies are sent with ROUTER_MANDATORY and NOBLOCK. A reply that meets a full pipe (a client not
   reading, at `sndhwm` messages) waits in `_outbound`, and while anything waits there the server
   stops reading new requests: the pressure propagates to the clients' DEALER sockets, which block.
