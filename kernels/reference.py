@@ -15,6 +15,7 @@ the matmul (the matmul itself runs in the input dtype, as a model's LM head does
 from __future__ import annotations
 
 import torch
+
 from agentrl.kernels.policy_loss import PolicyLossConfig, _validate_policy_loss_inputs, log_ratio_clamp
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from agentrl.kernels.policy_loss import PolicyLossConfig
 
 # 1024 tokens per program: the kernel is memory bound (~40 bytes per token), so a large block keeps the

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+
 from agentrl.kernels import (
     PolicyLossConfig,
     linear_logprob,
@@ -24,7 +25,6 @@ from agentrl.kernels import (
     policy_loss_reference,
 )
 from agentrl.kernels.linear_logprob import cpu_vocab_chunk
-
 
 linear_logprob_module = importlib.import_module("agentrl.kernels.linear_logprob")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels import CONFIGS, assert_close, make_logprob_inputs, make_loss_inputs, run_logprob, run_loss
+
 from agentrl.kernels import (
     linear_logprob,
     linear_logprob_reference,
@@ -19,7 +21,6 @@ from agentrl.kernels import (
     policy_loss,
     policy_loss_reference,
 )
-from test_kernels import CONFIGS, assert_close, make_logprob_inputs, make_loss_inputs, run_logprob, run_loss
 
 pytestmark = [
     pytest.mark.gpu,

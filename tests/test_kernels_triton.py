@@ -61,13 +61,6 @@ def test_triton_kernel_under_interpreter(case, interpreter_results):
 
 def _worker() -> dict:
     import torch
-    from agentrl.kernels import (
-        linear_logprob_reference,
-        linear_logprob_with_backend,
-        policy_loss_reference,
-        policy_loss_with_backend,
-    )
-    from agentrl.kernels import triton_linear_logprob as tll
     from test_kernels import (
         CONFIGS,
         make_logprob_inputs,
@@ -76,6 +69,14 @@ def _worker() -> dict:
         run_loss,
         train_losses,
     )
+
+    from agentrl.kernels import (
+        linear_logprob_reference,
+        linear_logprob_with_backend,
+        policy_loss_reference,
+        policy_loss_with_backend,
+    )
+    from agentrl.kernels import triton_linear_logprob as tll
 
     def triton_logprob(*args):
         return linear_logprob_with_backend(*args, backend="triton")
