@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
 from agentrl.engine.trajectory import Trajectory, TrajectoryGroup
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]

@@ -28,8 +28,9 @@ from typing import Literal
 
 import numpy as np
 import torch
-from agentrl.engine.trajectory import Trajectory
 from torch import nn
+
+from agentrl.engine.trajectory import Trajectory
 
 Kernels = Literal["fused", "reference"]
 
@@ -94,9 +95,12 @@ def pack_first_fit(lengths: Sequence[int], max_row_tokens: int) -> list[list[int
     return rows
 
 
-def build_micro_batches(samples: Sequence[Sample], max_row_tokens: int) -> list[MicroBatch]:
-    """Pack samples into rows (module docstring) and build the per-row tensors."""
-    rows = pack_first_fit([s.num_tokens for s in samples], max_row_tokens)
+def build_micro_batches(
+    samples: Sequence[Sample], max_row_tokens: int, rows: list[list[int]] | None = None
+) -> list[MicroBatch]:
+    """Pack samples into rows (module docstring), or use the given `rows` of sample indices, and
+    build the per-row tensors."""
+    rows = rows if rows is not None else pack_first_fit([s.num_tokens for s in samples], max_row_tokens)
     out = []
     for row in rows:
         ids, pos, gather, targets, behav, adv, versions, seq_ids = [], [], [], [], [], [], [], []

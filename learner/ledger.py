@@ -38,6 +38,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+
 from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
 
 CHECKPOINT_PREFIX = "step-"

