@@ -37,6 +37,8 @@ def _server_parser() -> argparse.ArgumentParser:
                     help="search: scoring threads (default 1); python: pre-started sandboxes (default 4)")
     ap.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
     ap.add_argument("--max-in-flight", type=int, default=ServerConfig.max_in_flight)
+    ap.add_argument("--reply-batch", type=int, default=ServerConfig.reply_batch,
+                    help="replies sent after every this many finished calls (pipelining)")
     ap.add_argument("--curve-secret-key", help="this server's zmq.auth NAME.key_secret (needed off loopback)")
     ap.add_argument("--curve-authorized-clients", help="directory of allowed clients' zmq.auth *.key files")
     ap.add_argument("--log-level", default="INFO")
@@ -102,6 +104,7 @@ def serve_main(argv: list[str]) -> int:
         bind=args.bind,
         max_request_bytes=args.max_request_bytes,
         max_in_flight=args.max_in_flight,
+        reply_batch=args.reply_batch,
         curve_secret_key_file=args.curve_secret_key,
         curve_authorized_clients_dir=args.curve_authorized_clients,
     )

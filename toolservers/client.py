@@ -25,8 +25,9 @@ How replicas are used:
 - Each replica gets its own DEALER socket, so a reply is always matched against the requests sent
   to that replica. A call goes to the live replica with the fewest calls in flight.
 - Liveness: every `heartbeat_interval_s` each replica is pinged; any reply refreshes it. A replica
-  is declared dead when nothing came back for `heartbeat_interval_s * heartbeat_misses`, or at
-  once when its TCP connection drops (socket monitor event, e.g. after SIGKILL).
+  is declared dead when nothing came back for `heartbeat_interval_s * heartbeat_misses` (replies
+  already waiting in the socket count), or at once when its TCP connection drops (socket monitor
+  event, e.g. after SIGKILL).
 - On death the replica's socket is closed with linger 0 (so requests still queued in it are never
   delivered to a later process at that endpoint) and its in-flight calls are resent to a live
   replica if the tool is idempotent (from `describe`); otherwise they raise ToolServiceUnavailable.
@@ -115,8 +116,8 @@ class ToolClient:
         endpoints: list[str],
         *,
         request_timeout_s: float = 30.0,
-        heartbeat_interval_s: float = 0.5,
-        heartbeat_misses: int = 4,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_misses: int = 5,
         reply_grace_s: float = 2.0,
         max_in_flight: int = 4096,
         sndhwm: int = 10_000,
@@ -128,7 +129,9 @@ class ToolClient:
         endpoints: the replicas of ONE service (same tools), e.g. ["tcp://127.0.0.1:5601"].
         request_timeout_s: default call budget, and how long start() waits for a first replica.
         heartbeat_interval_s: seconds between pings to each replica.
-        heartbeat_misses: silent intervals after which a replica is declared dead.
+        heartbeat_misses: silent intervals after which a replica is declared dead (5 s in all by
+            default: a crash is seen at once from the dropped connection; silence is for a hung
+            replica, and must not fire on a loaded host).
         reply_grace_s: seconds past a call's deadline the client still waits for the server's reply.
         max_in_flight: calls outstanding at once from this client; more call()s wait.
         sndhwm: per-replica ZeroMQ send queue, in messages.
@@ -411,7 +414,7 @@ class ToolClient:
             for rep in self._replicas:
                 for pending in [p for p in rep.pending.values() if now > p.deadline_s + self.reply_grace_s]:
                     self._expire(pending)
-                if rep.alive and now - rep.last_seen_s > self.dead_after_s:
+                if rep.alive and now - rep.last_seen_s > self.dead_after_s and not self._drain(rep):
                     self._mark_dead(rep, f"silent for {now - rep.last_seen_s:.1f} s")
                 if not rep.alive:
                     # A fresh probe socket each time: pings queued to a dead endpoint are dropped
@@ -426,6 +429,27 @@ class ToolClient:
                 self._ping_ids.clear()  # pings to replicas that died unanswered; bounded memory
             await asyncio.sleep(self.heartbeat_interval_s)
 
+    def _drain(self, rep: _Replica) -> int:
+        """Handle replies already queued in the socket, down to empty (so no wake-up is lost for
+        the reader), and return how many there were. Used before declaring a replica dead: on a
+        loaded host (load average 18 on 2 cores) this process went 2.4 s between reads while the
+        replica's answers sat in the socket."""
+        if rep.sock is None:
+            return 0
+        drain = zmq.Socket.shadow(rep.sock.underlying)
+        num_frames = 0
+        while True:
+            try:
+                msg = P.unpack(drain.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            num_frames += 1
+            for one in msg if isinstance(msg, list) else (msg,):
+                self._on_reply(rep, one)
+        if num_frames:
+            rep.last_seen_s = asyncio.get_running_loop().time()
+        return num_frames
+
     def _mark_dead(self, rep: _Replica, reason: str) -> None:
         if not rep.alive:
             return
@@ -433,15 +457,7 @@ class ToolClient:
         self.stats["num_replica_deaths"] += 1
         # Replies that arrived before the connection dropped (e.g. the answers a stopping server
         # flushed) are delivered, not resent: the monitor event can overtake the reader.
-        if rep.sock is not None:
-            drain = zmq.Socket.shadow(rep.sock.underlying)
-            while True:
-                try:
-                    msg = P.unpack(drain.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                for one in msg if isinstance(msg, list) else (msg,):
-                    self._on_reply(rep, one)
+        self._drain(rep)
         orphans = list(rep.pending.values())
         rep.pending.clear()
         log.warning("replica %s declared dead (%s); %d calls in flight there", rep.endpoint, reason, len(orphans))

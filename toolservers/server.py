@@ -58,7 +58,11 @@ class ServerConfig:
     max_in_flight: int = 4096
     """Calls accepted and not yet replied to; beyond it calls get `overloaded` (not executed)."""
     read_batch: int = 256
-    """Requests drained per loop turn before working: amortizes polling and lets search batch."""
+    """Frames drained per loop turn before working: amortizes polling and lets search batch."""
+    reply_batch: int = 16
+    """Replies are sent after every this many finished inline calls rather than once per loop
+    turn, so a client works on the first replies while the server computes the rest: with one
+    flush per 64-call batch, client and server took turns instead of overlapping."""
     sndhwm: int = 100_000
     """Per-peer reply queue in ZeroMQ, in messages. Above max_in_flight so that only a client that
     stops reading its replies ever fills it."""
@@ -72,7 +76,7 @@ class ServerConfig:
     """Directory of zmq.auth public certificates (`*.key`) of the clients allowed to connect."""
 
     def validate(self) -> None:
-        for name in ("max_request_bytes", "max_in_flight", "read_batch", "sndhwm"):
+        for name in ("max_request_bytes", "max_in_flight", "read_batch", "reply_batch", "sndhwm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
         curve = (self.curve_secret_key_file, self.curve_authorized_clients_dir)
@@ -342,9 +346,15 @@ class ToolServer:
             except zmq.Again:
                 break
             for tool_name, job in self._admit(frames, time.monotonic()):
-                calls[tool_name].append(job)
+                pending = calls[tool_name]
+                pending.append(job)
+                if len(pending) >= self.config.reply_batch:
+                    self._finish(self.tools[tool_name].submit(pending))
+                    calls[tool_name] = []
+                    self._flush(sock)
         for tool_name, jobs in calls.items():
-            self._finish(self.tools[tool_name].submit(jobs))
+            if jobs:
+                self._finish(self.tools[tool_name].submit(jobs))
 
     def _admit(self, frames: list[bytes], now: float) -> list[tuple[str, Job]]:
         """Answer what can be answered at once; return (tool, job) for each call to run."""
