@@ -177,7 +177,10 @@ async def test_overload_is_answered_explicitly_not_dropped():
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(proc.endpoint)
         await sock.send(call_frame(1, "python", {"code": "import time; time.sleep(1); print('slow')"}))
-        await asyncio.sleep(0.3)
+        # Barrier: frames from one peer are handled in order, so once the ping is answered call 1
+        # has been admitted (and occupies the one in-flight place).
+        await sock.send(msgpack.packb({"id": 99, "op": "ping"}))
+        assert msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))["id"] == 99
         await sock.send(call_frame(2, "python", {"code": "print('second')"}))
         replies = [msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10)) for _ in range(2)]
         sock.close(0)

@@ -191,7 +191,8 @@ async def test_replica_dying_during_a_non_idempotent_call_is_not_retried():
     try:
         async with ToolClient([proc.endpoint], heartbeat_interval_s=0.1) as client:
             call = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(5)"}))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0)  # the call is queued on the socket first...
+            await client.describe()  # ...so once describe is answered, the call is running
             proc.kill()
             with pytest.raises(ToolServiceUnavailable, match="not idempotent"):
                 await call
@@ -227,34 +228,34 @@ async def test_memory_spread_over_processes_hits_the_sandbox_memory_cgroup(pytho
 async def test_sigterm_answers_running_and_queued_calls_and_exits_within_its_grace():
     """One sandbox: call A runs (sleeps 30 s), call B waits in the queue. SIGTERM: B is answered
     `shutting_down` (not executed: safe to resend), A is answered as cut off after the 2 s grace,
-    and the server exits 0 by itself."""
-    proc = start_toolserver("python", LOCAL, "--workers", "1")
-    try:
-        async with ToolClient([proc.endpoint]) as client:
-            running = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(30)",
-                                                                   "timeout_s": 30}))
-            await asyncio.sleep(0.3)
-            # Raw frame for B: the client library would resend a shutting_down call by itself.
-            import msgpack
-            import zmq
-            import zmq.asyncio
+    and the server exits 0 by itself. Raw frames: the client library would resend B by itself."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
 
-            ctx = zmq.asyncio.Context()
-            raw = ctx.socket(zmq.DEALER)
-            raw.setsockopt(zmq.LINGER, 0)
-            raw.connect(proc.endpoint)
-            await raw.send(msgpack.packb({"id": 7, "op": "call", "tool": "python",
-                                          "args": {"code": "print('B')"}, "timeout_s": 30}))
-            await asyncio.sleep(0.3)
-            proc.kill(signal.SIGTERM)
-            queued = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 10))
-            resp = await asyncio.wait_for(running, 15)
-            raw.close(0)
-            ctx.term()
-        assert queued["id"] == 7 and queued["error"]["type"] == "shutting_down"
-        assert not resp.ok and resp.error.type == "sandbox_error" and "stopped" in resp.error.message
+    proc = start_toolserver("python", LOCAL, "--workers", "1")
+    ctx = zmq.asyncio.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(proc.endpoint)
+    try:
+        for req_id, code in ((1, "import time; time.sleep(30)"), (2, "print('B')")):
+            await raw.send(msgpack.packb({"id": req_id, "op": "call", "tool": "python",
+                                          "args": {"code": code, "timeout_s": 30}, "timeout_s": 30}))
+        await raw.send(msgpack.packb({"id": 99, "op": "ping"}))  # barrier: A running, B queued
+        assert msgpack.unpackb(await asyncio.wait_for(raw.recv(), 10))["id"] == 99
+        proc.kill(signal.SIGTERM)
+        replies = {}
+        while len(replies) < 2:
+            reply = msgpack.unpackb(await asyncio.wait_for(raw.recv(), 15))
+            for one in reply if isinstance(reply, list) else [reply]:
+                replies[one["id"]] = one
+        assert replies[2]["error"]["type"] == "shutting_down"
+        assert replies[1]["error"]["type"] == "sandbox_error" and "stopped" in replies[1]["error"]["message"]
         assert proc.popen.wait(15) == 0
     finally:
+        raw.close(0)
+        ctx.term()
         proc.stop(10)
 
 
@@ -270,7 +271,8 @@ async def test_a_sandbox_killed_from_outside_is_replaced_and_its_call_answered()
         (first,) = sandbox_pids()
         async with ToolClient([proc.endpoint]) as client:
             running = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(20)"}))
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0)  # the call is queued on the socket first...
+            await client.describe()  # ...so once describe is answered, the call is running
             os.kill(first, signal.SIGKILL)
             resp = await asyncio.wait_for(running, 10)
             assert not resp.ok and resp.error.type == "sandbox_error"
