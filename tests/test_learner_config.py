@@ -1,0 +1,83 @@
+"""The learner's config file and its off-policy control (staleness) without starting the loop."""
+
+import numpy as np
+import pytest
+
+from agentrl.engine.trajectory import TrajectoryGroup
+from agentrl.learner.advantages import RewardWeights
+from agentrl.learner.service import Learner, LearnerConfig, load_config
+from agentrl.learner.synthetic import make_trajectory
+
+FULL = """
+output_dir = "{out}"
+tokens_per_step = 4096
+max_steps = 10
+staleness_bound = 2
+publish_every = 2
+server_urls = ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+
+[trainer]
+precision = "bf16"
+train_layers = 4
+train_embeddings = false
+
+[trainer.optimizer]
+lr = 2e-6
+betas = [0.9, 0.95]
+grad_clip = 0.5
+
+[trainer.loss]
+eps_high = 0.3
+kl_coef = 0.0
+
+[trainer.advantage]
+estimator = "rloo"
+dynamic_sampling = true
+
+[reward_schedule]
+num_steps = 50
+"""
+
+
+def test_full_config_parses_into_typed_dataclasses(tmp_path):
+    path = tmp_path / "learner.toml"
+    path.write_text(FULL.format(out=tmp_path / "run"))
+    config = load_config(path)
+    assert config.trainer.optimizer.betas == (0.9, 0.95) and config.trainer.optimizer.lr == 2e-6
+    assert config.trainer.loss.eps_high == 0.3 and config.trainer.advantage.estimator == "rloo"
+    assert config.trainer.train_layers == 4 and config.reward_schedule.num_steps == 50
+    assert config.server_urls == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ('output_dir = "x"\nlearning_rate = 1', "unknown key"),
+    ('output_dir = "x"\n[trainer.optimizer]\nlrr = 1', r"trainer.optimizer: unknown key\(s\) \['lrr'\]"),
+    ('output_dir = "x"\npublish_every = 1', "needs server_urls"),
+    ('output_dir = "x"\npublish_every = 0\n[trainer.advantage]\nestimator = "ppo"', "choose one of"),
+])
+def test_bad_config_fails_early_with_the_fix(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(path)
+
+
+def _traj(index, versions, reward):
+    traj = make_trajectory(prompt_len=3, turns=[(2, 1), (2, 0)], task_reward=reward, sample_index=index)
+    traj.policy_versions[traj.is_action.astype(bool)] = versions
+    return traj
+
+
+def test_stale_samples_are_rejected_and_reported(tmp_path):
+    learner = Learner(LearnerConfig(output_dir=str(tmp_path), publish_every=0, staleness_bound=2))
+    learner.step = 5
+    mixed = TrajectoryGroup("mixed", "t", [_traj(0, [5, 5, 4, 4], 1.0), _traj(1, [3, 3, 3, 3], 0.0),
+                                           _traj(2, [2, 2, 5, 5], 1.0)])  # sample 2 has tokens 3 versions old
+    old = TrajectoryGroup("old", "t", [_traj(0, [1, 1, 1, 1], 1.0), _traj(1, [0, 0, 0, 0], 0.0)])
+    samples, report = learner._prepare([mixed, old], RewardWeights())
+    assert [(s.group_id, s.sample_index) for s in samples] == [("mixed", 0), ("mixed", 1)]
+    assert report["staleness/rejected_samples"] == 3
+    assert report["rejected"] == {"old": "stale"}
+    assert report["staleness/hist"] == {"0": 4, "1": 2, "2": 4, "3": 2, "4": 4, "5": 4}
+    assert report["staleness/max"] == 5
+    assert np.isclose(report["staleness/mean"], (0 * 4 + 1 * 2 + 2 * 4 + 3 * 2 + 4 * 4 + 5 * 4) / 20)
