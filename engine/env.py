@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import jsonschema
 import numpy as np
+
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, EXAMPLE_MESSAGES, IM_END, ChatFormat, system_prompt
 from agentrl.engine.metrics import exact_match, f1_score
@@ -317,7 +318,9 @@ class ToolEnv:
             state.done, state.status = True, "truncated"
         obs: list[int] = []
         if not state.done:
-            content_ids = self.chat.encode("\n".join(responses))
+            content_ids: list[int] = []
+            for k, response in enumerate(responses):  # responses joined by "\n", each encoded once (memo)
+                content_ids += (self.chat.newline_ids if k else []) + self.chat.encode_cached(response)
             if len(content_ids) > cfg.max_observation_tokens:
                 content_ids = content_ids[: cfg.max_observation_tokens]
             obs = [*(self.chat.newline_ids if stopped else self.chat.turn_end_ids), *self.chat.role_head("tool"),

