@@ -225,8 +225,8 @@ class PythonTool(Tool):
             if time.monotonic() > end:
                 raise RuntimeError(f"sandboxes not ready within 30 s: {[s.index for s in self.slots if not s.ready]}")
             for slot in self.slots:
-                if not slot.ready:
-                    self._read(slot, block=True)
+                if not slot.ready and self._read(slot, block=True) is None:
+                    raise RuntimeError(self._startup_failure(slot))
 
     def _command(self, slot: _Slot) -> list[str]:
         uid = self.config.uid_base + slot.index if os.geteuid() == 0 else os.getuid()
@@ -296,7 +296,16 @@ class PythonTool(Tool):
             if stream is not None:
                 stream.close()
 
+    def _startup_failure(self, slot: _Slot) -> str:
+        assert slot.popen is not None
+        return (f"sandbox {slot.index} exited during start-up (status {slot.popen.wait(5)}); its error is "
+                "in this server's log above (bwrap/setpriv message)")
+
     def _restart(self, slot: _Slot, why: str) -> list[tuple[Job, Outcome]]:
+        if not slot.ready:
+            # It worked at start(); a sandbox that now dies before it is ready would die again at
+            # once: stop loudly rather than respawn in a loop.
+            raise RuntimeError(self._startup_failure(slot))
         done = []
         if slot.job is not None:
             done.append((slot.job, Outcome.failure(P.E_SANDBOX, f"sandbox {slot.index} failed: {why}")))
