@@ -85,6 +85,10 @@ class LearnerConfig:
     """vLLM server base URLs to push weights to."""
     reward_schedule: RewardSchedule = field(default_factory=RewardSchedule)
     """Process/task reward weights by optimizer step."""
+    init_checkpoint: str | None = None
+    """A checkpoints folder (another learner's `output_dir/checkpoints`) whose latest policy weights
+    and version this learner starts from when its own output_dir holds no checkpoint yet: the RL
+    phase starting from the SFT cold start. Optimizer, scheduler and ledger start fresh."""
     kl_reference: bool = False
     """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0)."""
     seed: int = 0
@@ -178,6 +182,8 @@ class Learner:
     def _restore(self) -> None:
         state = load_latest_checkpoint(self.out / "checkpoints")
         if state is None:
+            if self.config.init_checkpoint:
+                self._init_from(Path(self.config.init_checkpoint))
             return
         self.trainer.policy.load_state_dict(state["policy"])
         self.trainer.optimizer.load_state_dict(state["optimizer"])
@@ -187,6 +193,17 @@ class Learner:
         self.ledger = Ledger.from_dict(state["ledger"])
         print(f"learner: resumed from checkpoint at step {self.step} "
               f"({len(self.ledger.trained)} groups trained, {len(self.ledger.rejected)} rejected)", file=sys.stderr)
+
+    def _init_from(self, checkpoints: Path) -> None:
+        state = load_latest_checkpoint(checkpoints)
+        if state is None:
+            raise FileNotFoundError(f"init_checkpoint {checkpoints} holds no checkpoint")
+        policy = {k: v for k, v in state["policy"].items() if not k.startswith("value_head.")}
+        missing, unexpected = self.trainer.policy.load_state_dict(policy, strict=False)
+        if unexpected or any(not k.startswith("value_head.") for k in missing):
+            raise ValueError(f"init_checkpoint {checkpoints} does not fit this model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.step = int(state["step"])
+        print(f"learner: initialised from {checkpoints} (version {self.step})", file=sys.stderr)
 
     def checkpoint(self) -> Path:
         state = {
