@@ -369,6 +369,18 @@ class Learner:
             record["time/checkpoint_s"] = time.perf_counter() - t1
         self.metrics.write(self.step, record)
 
+    async def _served_version(self) -> int:
+        """The oldest version the servers serve now: after a restart or an init from another
+        learner's checkpoint the servers are not at version 0, and the orchestrator's staleness
+        gate must see what they really serve."""
+        from agentrl.engine.inference import VLLMClient
+
+        versions = []
+        for url in self.config.server_urls:
+            async with VLLMClient(url) as client:
+                versions.append(await client.weight_version())
+        return min(versions)
+
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> int:
         from agentrl.engine.transport import GroupReceiver, VersionPublisher
@@ -388,9 +400,12 @@ class Learner:
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
         await self.receiver.start()
+        served = await self._served_version() if cfg.server_urls else 0
+        if self.publisher is not None:
+            self.publisher.served_version = served
         if self.version_pub is not None:
             await self.version_pub.start()
-            await self.version_pub.publish(self.step, 0)
+            await self.version_pub.publish(self.step, served)
         print(f"READY learner step={self.step} replay={len(self._replay)} endpoint={cfg.group_endpoint}",
               file=sys.stderr, flush=True)
         try:
