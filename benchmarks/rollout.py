@@ -292,6 +292,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", action="store_true", help="the issue's full sizes: 256 lockstep episodes, 48-token turns")
     parser.add_argument("--skip-vllm", action="store_true", help="only the capacity measurement")
+    parser.add_argument("--skip-capacity", action="store_true", help="only the measurements on the real vLLM server")
     args = parser.parse_args()
     args.lockstep_episodes = 256 if args.spec else 48
     args.action_tokens = 48 if args.spec else 32
@@ -301,7 +302,8 @@ def main() -> int:
 
     model_dir = str(prepare_model())
     result: dict = {"benchmark": "rollout", **machine()}
-    result.update(asyncio.run(capacity(model_dir, num_prompts=1024, group_size=4, num_runs=3)))
+    if not args.skip_capacity:
+        result.update(asyncio.run(capacity(model_dir, num_prompts=1024, group_size=4, num_runs=3)))
     if not args.skip_vllm:
         result.update(asyncio.run(on_vllm(model_dir, args)))
     result.update(target_capacity_turns_per_s=3000, target_backend_utilisation=0.95, target_async_vs_lockstep_ratio=2.0)

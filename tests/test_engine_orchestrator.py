@@ -1,0 +1,100 @@
+"""Orchestrator bounds: staleness gate on the learner's published versions, and backpressure from an
+unacknowledging learner (real ZeroMQ transport; a scripted policy stands in for generation)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.engine.chat import ChatFormat
+from agentrl.engine.env import EnvConfig, ToolEnv
+from agentrl.engine.inference import Generation
+from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
+from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+from agentrl.engine.tools import LocalSearchTool
+from agentrl.engine.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
+from agentrl.model import prepare_model
+
+
+def endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def env_tasks():
+    world, tasks = synthetic_tasks(num=12, config=SyntheticQAConfig(num_companies=40))
+    env = ToolEnv(ChatFormat(AutoTokenizer.from_pretrained(prepare_model())), EnvConfig(max_turns=2))
+    env.register_tool(LocalSearchTool(world.passages))
+    return env, tasks
+
+
+def answering_policy(env: ToolEnv, calls: list[int]):
+    ids = [*env.chat.encode("<answer>x</answer>"), env.chat.im_end_id]
+
+    async def generate(prompt_ids, params):
+        calls.append(1)
+        await asyncio.sleep(0)
+        return Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids), "scripted")
+
+    return generate
+
+
+async def test_no_episode_starts_while_servers_are_too_stale(env_tasks):
+    env, tasks = env_tasks
+    ep = endpoint()
+    pub, sub = VersionPublisher(ep, republish_interval_s=0.05), VersionSubscriber(ep)
+    await pub.start()
+    await sub.start()
+    calls: list[int] = []
+    groups = []
+
+    async def sink(group):
+        groups.append(group)
+
+    try:
+        await pub.publish(5, 2)  # learner 3 versions ahead of what the servers serve; k = 1
+        await sub.wait_until(lambda v: v == (5, 2), timeout_s=10)
+        orch = Orchestrator(env, answering_policy(env, calls), sink, OrchestratorConfig(group_size=2, max_staleness=1), versions=sub)
+        run = asyncio.create_task(orch.run(tasks[:2]))
+        await asyncio.sleep(0.5)
+        assert calls == [] and orch.stats.num_episodes_started == 0
+        await pub.publish(5, 4)  # weights pushed: within the bound
+        await asyncio.wait_for(run, 10)
+        assert orch.stats.num_episodes_finished == 4 and len(groups) == 2 and orch.stats.staleness_wait_s > 0.4
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def test_learner_that_stops_acking_stops_new_episodes(env_tasks):
+    env, tasks = env_tasks
+    ep = endpoint()
+    receiver, sender = GroupReceiver(ep), GroupSender(ep, max_unacked=2)
+    await receiver.start()
+    await sender.start()
+    calls: list[int] = []
+    config = OrchestratorConfig(group_size=2, max_groups_in_flight=3, max_concurrent_episodes=64)
+    orch = Orchestrator(env, answering_policy(env, calls), sender.send, config)
+    run = asyncio.create_task(orch.run(tasks))  # 12 groups
+    try:
+        await asyncio.sleep(1.0)
+        # 2 groups sent and unacked + 3 groups holding their slots (1 blocked in send, 2 waiting): nothing more starts.
+        assert sender.num_unacked == 2
+        assert orch.stats.num_episodes_started == (2 + 3) * 2
+        received = []
+        while len(received) < len(tasks):  # the learner catches up: everything flows, each group once
+            r = await asyncio.wait_for(receiver.recv(), 10)
+            if r.group.group_id not in {g.group_id for g in received}:
+                received.append(r.group)
+            await receiver.ack(r)
+        await asyncio.wait_for(run, 10)
+        assert orch.stats.num_episodes_finished == 24 and {len(g.trajectories) for g in received} == {2}
+    finally:
+        run.cancel()
+        await sender.close()
+        await receiver.close()
