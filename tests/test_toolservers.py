@@ -81,7 +81,10 @@ async def test_describe_gives_openai_schemas_and_idempotent_flag(calculator):
 @pytest.mark.parametrize(
     "expression, value",
     [("0.1 + 0.2", "3/10"), ("(3 + 4) * 2 / 5", "14/5"), ("2 ** 100", str(2**100)), ("-7 // 2", "-4"),
-     ("1e3 / 8", "125"), ("2 ** -2", "1/4")],
+     ("1e3 / 8", "125"), ("2 ** -2", "1/4"),
+     # Python's precedence: ** binds tighter than a unary minus on its left, and to the right
+     ("-2 ** 2", "-4"), ("2 ** 3 ** 2", "512"), ("2 * -3 ** 2", "-18"), ("-(1 + 2) ** 2", "-9"),
+     ("2 ** -1 * 3", "3/2"), ("100 // 7 // 2", "7"), ("1 - 2 - 3", "-4"), ("7.5 % 2", "3/2")],
 )
 async def test_calculator_is_exact(calculator, expression, value):
     async with ToolClient([calculator.endpoint]) as client:
@@ -95,7 +98,9 @@ async def test_calculator_is_exact(calculator, expression, value):
     "expression, fragment",
     [("1/0", "division by zero"), ("__import__('os').system('id')", "unsupported element"),
      ("9 ** 9 ** 9", "larger than"), ("2 ** 0.5", "not an integer"), ("(1 +", "cannot parse"),
-     ("[1, 2]", "unsupported element"), ("1 if 1 else 2", "unsupported element")],
+     ("[1, 2]", "unsupported element"), ("1 if 1 else 2", "unsupported element"),
+     ("(1)(2)", "missing operator"), ("1 2", "missing operator"), ("2 *", "ends early"), ("(1", "missing ')'"),
+     ("1)", "without a matching"), ("1__0", "malformed number")],
 )
 async def test_calculator_rejects_what_it_cannot_do_exactly_or_safely(calculator, expression, fragment):
     async with ToolClient([calculator.endpoint]) as client:
