@@ -6,13 +6,19 @@ size, V vocabulary size, S sequences in a row.
 
 Packing: sequences are placed first-fit-decreasing into rows of at most `max_row_tokens` tokens
 (one sequence longer than that gets a row of its own), so a row carries no padding at all. Within a
-row, position ids restart at 0 for every sequence; with `attention_mask=None`, `use_cache=False`
-and reset position ids, transformers 5.x (sdpa and eager attention) derives a block-diagonal causal
-mask from the position ids, so no token attends across sequences. Checked in
-`tests/test_learner_batching.py`: a packed row's hidden states equal each sequence's own forward
-to 1e-6. The price is attention over the whole row (O(L^2) scores, most masked); at the short rows
-used here (2048 tokens) the MLP/projection matmuls dominate, which is why packing beats one
-sequence per forward: see docs/notes/issue-6.md for the measured choice.
+row, position ids restart at 0 for every sequence.
+
+Attention on a packed row. transformers 5.x can derive a block-diagonal causal mask from reset
+position ids (sdpa/eager with `attention_mask=None`, `use_cache=False`), but the CPU kernels then
+compute all L^2 scores of the row and mask most of them away: at 4 sequences x 440 tokens that is
+~4x the attention FLOPs. Measured here (SmolLM2-135M forward+backward, bf16 autocast, 4 x 440
+tokens, 1 thread, medians of 3 on the shared machine, load ~12): packed with the mask 41.5 tokens/s,
+one forward per sequence 71.6, packed with the per-sequence attention below 75.4. So the
+`PackedPolicy` registers its own attention function, "agentrl_packed": it cuts the row at the
+position-id resets and runs causal `scaled_dot_product_attention` per sequence (varlen attention,
+as flash-attention does on GPU), with no mask built at all. The projections and MLP still see the
+whole row as one matmul. `tests/test_learner_trainer.py` checks that a packed row's log-probs equal
+each sequence's own forward and the HF logits.
 
 Log-probs: the hidden state at position i predicts token i + 1. Only rows whose next token is an
 action are gathered (`gather_idx_N`) and sent with the LM head weight to
@@ -28,7 +34,10 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from agentrl.engine.trajectory import Trajectory
 
@@ -135,6 +144,35 @@ def build_micro_batches(
     return out
 
 
+PACKED_ATTENTION = "agentrl_packed"
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, position_ids=None, **kwargs):
+    """Causal attention per sequence of a packed row; query [1, Hq, L, D], key/value [1, Hkv, L, D].
+
+    Sequences start where the position ids restart at 0 (module docstring). Returns [1, L, Hq, D].
+    """
+    if position_ids is None or query.shape[0] != 1:
+        raise ValueError("agentrl_packed attention needs one packed row with its position_ids")
+    length = query.shape[2]
+    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() + [length]
+    enable_gqa = query.shape[1] != key.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                       scale=scaling, dropout_p=dropout, enable_gqa=enable_gqa)
+        for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
 def _logprob_fn(kernels: Kernels):
     if kernels == "fused":
         from agentrl.kernels.linear_logprob import linear_logprob
@@ -157,6 +195,7 @@ class PackedPolicy(nn.Module):
     def __init__(self, causal_lm: nn.Module, *, value_head: bool = False, kernels: Kernels = "fused",
                  compute_dtype: torch.dtype = torch.float32):
         super().__init__()
+        causal_lm.config._attn_implementation = PACKED_ATTENTION
         self.lm = causal_lm
         hidden_size = causal_lm.config.hidden_size
         self.value_head = nn.Linear(hidden_size, 1) if value_head else None

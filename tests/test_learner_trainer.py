@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from agentrl.engine.trajectory import TrajectoryGroup
 from agentrl.kernels.policy_loss import PolicyLossConfig
 from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages
@@ -31,6 +32,7 @@ def test_pack_first_fit_respects_budget_and_places_everything_once():
 
 def test_packed_row_matches_separate_forwards():
     model = tiny_llama(VOCAB).eval()
+    stock = tiny_llama(VOCAB).eval()  # same weights (same seed), transformers' own sdpa attention
     policy = PackedPolicy(model, kernels="reference")
     group = make_group("g", [1.0, 0.0, 1.0], turns=[(5, 3), (4, 0)], vocab_size=VOCAB)
     samples = _samples([group])
@@ -44,7 +46,7 @@ def test_packed_row_matches_separate_forwards():
             separate.append(policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N)[0])
         # The same numbers, straight from the HF logits: log p(token t+1 | tokens <= t) at action tokens.
         s0 = samples[0].trajectory
-        logits = model(input_ids=torch.from_numpy(s0.token_ids.astype(np.int64))[None]).logits[0]
+        logits = stock(input_ids=torch.from_numpy(s0.token_ids.astype(np.int64))[None]).logits[0]
         act = np.flatnonzero(s0.is_action)
         direct = torch.log_softmax(logits, -1)[act - 1, torch.from_numpy(s0.token_ids[act].astype(np.int64))]
     torch.testing.assert_close(lp_packed, torch.cat([separate[i] for i in packed_order(packed, samples)]),
