@@ -266,8 +266,9 @@ class Learner:
         fresh_groups = []
         num_stale = 0
         for g in groups:
+            # SFT data (gold trajectories) was sampled by no policy (version -1): staleness does not apply.
             keep = [t for t in g.trajectories
-                    if cfg.staleness_bound is None or not t.is_action.any()
+                    if cfg.mode == "sft" or cfg.staleness_bound is None or not t.is_action.any()
                     or int(staleness_of(t, self.step).max()) <= cfg.staleness_bound]
             num_stale += len(g.trajectories) - len(keep)
             fresh_groups.append(TrajectoryGroup(g.group_id, g.task_id, keep))
