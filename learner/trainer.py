@@ -256,6 +256,12 @@ class Trainer:
             for k, v in stats.items():
                 if k != "num_tokens":
                     stats_sum[k] = stats_sum.get(k, 0.0) + float(v) * token_share
+            # How far the sampler (vLLM) is from the trainer's current weights: the k3 estimate of
+            # KL(behavior || proximal) from the behaviour's own samples; it grows with staleness and
+            # with engine/trainer numeric mismatch (what the truncated IS weight corrects).
+            delta_N = logprobs_N.detach() - mb.behavior_logprobs_N
+            kl_behavior = float((torch.expm1(delta_N) - delta_N).mean()) if mb.num_action_tokens else 0.0
+            stats_sum["kl_behavior_proximal"] = stats_sum.get("kl_behavior_proximal", 0.0) + kl_behavior * token_share
         grad_norm = self._clip_and_step()
         loss_sum, *stat_values = _global_sum(loss_sum, *stats_sum.values())
         return StepStats(
