@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from agentrl.engine.transport import GroupSender
 from agentrl.learner.ledger import load_latest_checkpoint
 from agentrl.learner.metrics import read_metrics
