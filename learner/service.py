@@ -404,6 +404,12 @@ class Learner:
         served = await self._served_version() if cfg.server_urls else 0
         if self.publisher is not None:
             self.publisher.served_version = served
+            if served != self.step:
+                # The servers hold weights this lineage does not own: pushed after the checkpoint we
+                # resumed from (lost with a kill -9), or the weights before an init from SFT. Serve ours.
+                await self.publisher.publish(self.step, await asyncio.to_thread(snapshot_weights, self.model))
+                await self.publisher.wait()
+                served = self.step
         if self.version_pub is not None:
             await self.version_pub.start()
             await self.version_pub.publish(self.step, served)
