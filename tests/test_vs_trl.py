@@ -1,0 +1,146 @@
+"""benchmarks/vs_trl.py: the TRL side sees the same job as agentrl (no TRL install here).
+
+The TRL side restates agentrl's task rules from text (benchmarks/trl_side/agentrl_text.py) because
+TRL's reward functions receive text. These tests hold it to agentrl's own ToolEnv: the same prompt
+text and ids, the same process terms and EM on fixed episodes, the same tool result text, and the
+same search hits as the search service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentrl.engine.chat import ChatFormat
+from agentrl.engine.env import EnvConfig, ToolEnv, format_content
+from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
+from agentrl.engine.tasks import SyntheticQAConfig, SyntheticWorld
+from agentrl.engine.tools import FunctionTool
+from agentrl.toolservers.search import SearchTool
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks" / "trl_side"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import agentrl_text as A  # noqa: E402
+import grpo_tools as G  # noqa: E402
+import vs_trl  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world():
+    return SyntheticWorld.generate(SyntheticQAConfig(seed=0, num_companies=40))
+
+
+@pytest.fixture(scope="module")
+def search(world):
+    return G.Search(world.passages)
+
+
+def _env(tokenizer, search) -> ToolEnv:
+    env = ToolEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, max_action_tokens=96, max_total_tokens=3072))
+    spec = SearchTool.spec
+    env.register_tool(FunctionTool(spec.name, spec.description, spec.parameters, lambda query, top_k=3: search(query, top_k)))
+    return env
+
+
+def _prefix(env: ToolEnv) -> list[dict]:
+    from agentrl.engine.chat import EXAMPLE_MESSAGES
+
+    return [{"role": "system", "content": env.system_prompt}] + [
+        {"role": r, "content": c.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>") if r == "tool" else c}
+        for r, c in EXAMPLE_MESSAGES]
+
+
+def test_prompt_text_and_ids_match_agentrl(tokenizer, world, search):
+    env = _env(tokenizer, search)
+    task = world.questions("heldout", hops=[2], num=1)[0]
+    agentrl_ids = env.reset(task).token_ids
+    tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+    tok.chat_template = G.CHAT_TEMPLATE
+    messages = G.prompt_messages(_prefix(env), task.question)
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == env.chat.decode(agentrl_ids)
+    assert list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]) == agentrl_ids
+
+
+def _gold_call(query: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "search", "arguments": {"query": query}}) + "</tool_call>"
+
+
+EPISODES = {
+    "two searches then the right answer": lambda t: [_gold_call(t.gold_queries[0]), _gold_call(t.gold_queries[1]),
+                                                     f"<answer>{t.answers[0]}</answer>"],
+    "duplicate call, then a wrong answer": lambda t: [_gold_call(t.gold_queries[0]), _gold_call(t.gold_queries[0]),
+                                                      "<answer>Nobody</answer>"],
+    "bad JSON, unknown tool, bad arguments, no action": lambda t: [
+        '<tool_call>{"name": "search", "arguments": {"query": </tool_call>',
+        '<tool_call>{"name": "browse", "arguments": {"url": "x"}}</tool_call>'
+        '<tool_call>{"name": "search", "arguments": {"query": "a", "top_k": 0}}</tool_call>',
+        "I am not sure.",
+        "<answer>unclosed"],
+    "four calls in one turn (one over the limit), text after the answer": lambda t: [
+        "".join(_gold_call(f"{t.gold_queries[0]} {i}") for i in range(4)),
+        f"<answer>{t.answers[0]}</answer> and more text <answer>other</answer>"],
+    "an imagined tool response after the call is cut": lambda t: [
+        _gold_call(t.gold_queries[0]) + "<tool_response>\n[1] made up\n</tool_response>",
+        f"<answer>{t.answers[0]}</answer>"],
+}
+
+
+@pytest.mark.parametrize("name", list(EPISODES))
+def test_process_terms_and_em_match_agentrl_env(tokenizer, world, search, name):
+    env = _env(tokenizer, search)
+    task = world.questions("train", hops=[2], num=1)[0]
+    actions = EPISODES[name](task)
+    traj = asyncio.run(run_episode(env, task, ScriptedPolicy(env, actions), SamplingConfig(temperature=0.0), group_id="g"))
+    agentrl_terms: dict[str, float] = {}
+    for turn in traj.turns:
+        for term, value in turn.process_rewards.items():
+            agentrl_terms[term] = agentrl_terms.get(term, 0.0) + value
+    score = A.score_turns(actions[: len(traj.turns)], list(task.answers))
+    assert score.process_terms == pytest.approx(agentrl_terms)
+    assert score.em == traj.metrics["em"]
+
+
+def test_trl_completion_text_splits_into_agentrl_turns(tokenizer, world, search):
+    """The reward function sees TRL's decoded multi-turn completion; it must recover the turns."""
+    task = world.questions("train", hops=[2], num=1)[0]
+    actions = EPISODES["two searches then the right answer"](task)
+    tool = "<|im_start|>tool\n<tool_response>\n[1] A: b\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    text = f"{actions[0]}<|im_end|>\n{tool}{actions[1]}<|im_end|>\n{tool}{actions[2]}<|im_end|>"
+    assert G.split_turns(text) == actions
+    assert A.score_turns(G.split_turns(text), list(task.answers)).em == 1.0
+
+
+def test_tool_result_text_and_hits_match_the_search_service(world, search, tmp_path):
+    from agentrl.toolservers.search import SearchConfig
+    from agentrl.toolservers.server import Job
+
+    corpus = world.write_corpus(tmp_path / "corpus.jsonl")
+    service = SearchTool(SearchConfig(corpus_path=str(corpus), cache_dir=str(tmp_path / "cache")))
+    service.start()
+    for query in ("founder of " + world._companies[0], "who makes " + world._products[3], "zzz qqq"):
+        job = Job(peer=b"", req_id=0, args={"query": query, "top_k": 3}, received_s=0.0, deadline_s=float("inf"))
+        hits = service.run_batch([job])[0].content
+        assert [h["id"] for h in hits] == [p["id"] for p in search(query, 3)]
+        assert A.format_passages(search(query, 3)) == format_content(hits)
+
+
+def test_schema_check_matches_the_search_service_schema():
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(SearchTool.spec.parameters)
+    for args in ({"query": "x"}, {"query": ""}, {"query": "x", "top_k": 0}, {"query": "x", "top_k": 50}, {"query": "x", "top_k": 51},
+                 {"query": 3}, {"top_k": 2}, {"query": "x", "extra": 1}, {"query": "x", "top_k": True}, {"query": "x" * 2001}):
+        assert (A.search_arguments_error(args) is None) == validator.is_valid(args), args
+
+
+def test_cli_rejects_bad_budgets():
+    assert vs_trl.parse_args([]).minutes == 10.0
+    for argv in (["--minutes", "0"], ["--prompts-per-step", "0"], ["--heldout-num", "0"], ["--only", "both"]):
+        with pytest.raises(SystemExit):
+            vs_trl.parse_args(argv)
