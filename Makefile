@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/agentrl demo
+	$(VENV)/bin/agentrl train
 
 test: setup
 	bash scripts/test.sh

@@ -1,0 +1,144 @@
+"""The main job end to end, with faults: `agentrl train` on a small budget, real processes.
+
+One run covers what CI must guard: the supervisor starts two search replicas, a vLLM server, an
+SFT learner, then the RL learner and the actor; the test SIGKILLs one search replica and the RL
+learner mid-run. The run must still finish, print its JSON line, restart the learner (which
+resumes from its checkpoint and spool), and its final ledger must show every group trained exactly
+once: the metrics of the surviving lineage list each group id at one step only, and those are the
+ledger's groups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.learner.ledger import load_latest_checkpoint
+
+CONFIG = """
+minutes = 4.0
+[tasks]
+heldout_num = 8
+heldout_hops = [1]
+num_train = 64
+[[tasks.curriculum]]
+hops = [1]
+[services]
+tools = ["search"]
+search_replicas = 2
+[env]
+max_turns = 2
+max_action_tokens = 48
+[orchestrator]
+group_size = 4
+max_concurrent_episodes = 16
+max_groups_in_flight = 4
+max_staleness = 2
+[sft]
+enabled = true
+num_examples = 16
+hops = [1]
+steps = 2
+[sft.learner]
+tokens_per_step = 2048
+[learner]
+tokens_per_step = 2048
+checkpoint_every = 1
+staleness_bound = 8
+[learner.trainer]
+train_layers = 1
+train_embeddings = false
+max_row_tokens = 2048
+[eval]
+every_s = 100000.0
+naive_rag = false
+"""
+
+
+class LineReader:
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line.startswith(prefix):
+                    return line
+            time.sleep(0.5)
+        raise TimeoutError(f"no line starting with {prefix!r} within {timeout_s} s; got:\n" + "\n".join(self.lines[-30:]))
+
+
+def _pid(line: str) -> int:
+    return int(line.split("(pid ")[1].split(")")[0].split(",")[0])
+
+
+def _metric_lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_train_survives_killed_search_replica_and_learner(tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(CONFIG)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    reader = LineReader(proc.stdout)
+    try:
+        replica = _pid(reader.wait_for("tool service search #1", 120))
+        learner = _pid(reader.wait_for("started learner-rl", 900))
+        metrics = out / "rl" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(_metric_lines(metrics)) < 2:
+            time.sleep(1.0)
+        assert len(_metric_lines(metrics)) >= 2, "\n".join(reader.lines[-30:])
+        os.kill(replica, signal.SIGKILL)
+        os.kill(learner, signal.SIGKILL)
+        reader.wait_for("learner exited with", 60)
+        assert proc.wait(timeout=1200) == 0, "\n".join(reader.lines[-40:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    summary = json.loads(reader.lines[-1])
+    assert summary["learner_restarts"] == 1
+    assert summary["optimizer_steps"] >= 2 + 2  # SFT steps + RL steps across the restart
+    assert summary["episodes"] > 0
+    assert Path(summary["report"]).is_file()
+    assert (out / "plots" / "heldout_em.png").is_file()
+
+    # Exactly once in the surviving lineage: the last record written for each step (steps redone
+    # after the restart overwrite the lost ones) lists each group id once, and they are the ledger's.
+    state = load_latest_checkpoint(out / "rl" / "checkpoints")
+    final_step = int(state["step"])
+    last_record_of_step: dict[int, dict] = {}
+    for record in _metric_lines(out / "rl" / "metrics.jsonl"):
+        last_record_of_step[record["step"]] = record
+    seen: list[str] = []
+    for step, record in sorted(last_record_of_step.items()):
+        if step <= final_step:
+            seen += record.get("group_ids", [])
+    assert len(seen) == len(set(seen)), "a group was trained at two steps"
+    assert set(seen) == set(state["ledger"]["trained"])
+    assert all(state["ledger"]["trained"][gid] <= final_step for gid in seen)
+    # The servers serve what the learner trained (a version of the RL lineage).
+    evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
+    assert evals[-1]["label"] == "final" and evals[-1]["served_version"] > 2
