@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -62,7 +63,23 @@ class CurriculumStage:
 
 
 @dataclass
+class DatasetFile:
+    source: str
+    """"hotpotqa", "2wikimultihopqa" or "musique" (the file's published format)."""
+    path: str
+    limit: int | None = None
+    """Use the first `limit` questions of the file."""
+
+
+@dataclass
 class TasksConfig:
+    source: str = "synthetic"
+    """"synthetic" (generated world, the default) or "datasets" (train_files / eval_files / corpus)."""
+    train_files: list[DatasetFile] = field(default_factory=list)
+    eval_files: list[DatasetFile] = field(default_factory=list)
+    corpus: str = ""
+    """Passage JSONL ({"id","title","text"}) for the search service; required with datasets
+    (e.g. a Wikipedia dump converted to JSONL); with synthetic tasks the world's corpus is used."""
     seed: int = 0
     """Seed of the synthetic world (entities, facts, corpus) and of question sampling."""
     num_companies: int = 400
@@ -137,7 +154,11 @@ def load_train_config(path: str | Path | None) -> TrainConfig:
     path = Path(path) if path else DEFAULT_CONFIG
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    return from_dict(TrainConfig, data, str(path))
+    config = from_dict(TrainConfig, data, str(path))
+    validate_tasks_config(config.tasks)
+    if config.sft.enabled and config.tasks.source != "synthetic":
+        raise ValueError(f"{path}: the SFT cold start needs gold trajectories, which only synthetic tasks have; set [sft] enabled = false")
+    return config
 
 
 # ---------------------------------------------------------------- processes
@@ -197,6 +218,29 @@ def _free_endpoint() -> str:
 # ---------------------------------------------------------------- tasks
 
 
+def _load_dataset_files(files: list[DatasetFile]) -> list:
+    from agentrl.engine import tasks as T
+
+    loaders = {"hotpotqa": T.load_hotpotqa, "2wikimultihopqa": T.load_2wikimultihopqa, "musique": T.load_musique}
+    out = []
+    for f in files:
+        if f.source not in loaders:
+            raise ValueError(f"dataset source {f.source!r} unknown; choose one of {sorted(loaders)}")
+        tasks, _ = loaders[f.source](f.path, limit=f.limit)
+        out += tasks
+    return out
+
+
+def validate_tasks_config(cfg: TasksConfig) -> None:
+    if cfg.source not in ("synthetic", "datasets"):
+        raise ValueError(f"[tasks] source must be 'synthetic' or 'datasets', got {cfg.source!r}")
+    if cfg.source == "datasets":
+        if not cfg.train_files or not cfg.eval_files:
+            raise ValueError("[tasks] source = 'datasets' needs train_files and eval_files ([[tasks.train_files]] tables)")
+        if not cfg.corpus:
+            raise ValueError("[tasks] source = 'datasets' needs corpus = a passage JSONL for the search service")
+
+
 def make_world(cfg: TasksConfig):
     from agentrl.engine.tasks import SyntheticQAConfig, SyntheticWorld
 
@@ -204,7 +248,12 @@ def make_world(cfg: TasksConfig):
 
 
 def curriculum_stream(world, cfg: TasksConfig, learner_version) -> Iterator:
-    """Training questions forever; the stage follows the learner's version (`learner_version()`)."""
+    """Training questions forever; the stage follows the learner's version (`learner_version()`).
+    With datasets there is one stage: the training files, cycled."""
+    if cfg.source == "datasets":
+        pool = _load_dataset_files(cfg.train_files)
+        for i in itertools.count():
+            yield pool[i % len(pool)]
     pools = [world.questions("train", hops=stage.hops, num=min(cfg.num_train, _pool_size(world, stage.hops)),
                              seed=cfg.seed + i) for i, stage in enumerate(cfg.curriculum)]
     cursors = [0] * len(pools)
@@ -299,10 +348,14 @@ async def evaluate(conn: Connections, tasks: list, label: str) -> tuple[dict, li
         "served_version": max(versions_before) if versions_before else -1,
         "eval_s": time.perf_counter() - t0,
     }
-    for hops in sorted({t_.num_hops for t_ in tasks}):
-        ids = {t_.task_id for t_ in tasks if t_.num_hops == hops}
-        sel = [t for t in trajectories if t.task_id in ids]
-        summary[f"em_{hops}hop"] = sum(t.metrics.get("em", 0.0) for t in sel) / max(len(sel), 1)
+    for key, name in (("num_hops", "em_{}hop"), ("source", "em_{}")):
+        values = sorted({getattr(t_, key) for t_ in tasks})
+        if len(values) < 2:
+            continue
+        for value in values:
+            ids = {t_.task_id for t_ in tasks if getattr(t_, key) == value}
+            sel = [t for t in trajectories if t.task_id in ids]
+            summary[name.format(value)] = sum(t.metrics.get("em", 0.0) for t in sel) / max(len(sel), 1)
     return summary, trajectories
 
 
@@ -340,9 +393,14 @@ class Supervisor:
 
         cfg = self.config
         self.model_dir = str(resolve_model(cfg.model_dir or None))
-        self.world = make_world(cfg.tasks)
-        self.corpus = self.world.write_corpus(self.out / "corpus.jsonl")
-        self.heldout = self.world.questions("heldout", hops=cfg.tasks.heldout_hops, num=cfg.tasks.heldout_num, seed=cfg.seed)
+        if cfg.tasks.source == "datasets":
+            self.world = None
+            self.corpus = Path(cfg.tasks.corpus)
+            self.heldout = _load_dataset_files(cfg.tasks.eval_files)
+        else:
+            self.world = make_world(cfg.tasks)
+            self.corpus = self.world.write_corpus(self.out / "corpus.jsonl")
+            self.heldout = self.world.questions("heldout", hops=cfg.tasks.heldout_hops, num=cfg.tasks.heldout_num, seed=cfg.seed)
         logs = self.out / "logs"
         logs.mkdir(exist_ok=True)
 
@@ -575,7 +633,7 @@ async def run_actor(cfg: ActorConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    world = make_world(cfg.tasks)
+    world = make_world(cfg.tasks) if cfg.tasks.source == "synthetic" else None
     async with Connections(cfg.vllm, cfg.tool_endpoints, cfg.model_dir, cfg.env) as conn:
         sender = GroupSender(cfg.group_endpoint)
         versions = VersionSubscriber(cfg.version_endpoint)
