@@ -1,11 +1,14 @@
 """A pool of vLLM servers, balanced by outstanding requests, with dead servers taken out.
 
 `ServerPool.generate` sends each request to the live server with the fewest requests outstanding
-(ties: the first). If that server is unreachable or dies mid-request (`InferenceServerUnavailable`),
-it is marked dead and the same request (same prompt ids, same sampling parameters) is retried on
-another live server: a turn is regenerated whole, so the ids, log-probs and versions recorded all
-come from the one server that answered. After `max_attempts` or with no live server left, the
-error is raised to the episode runner, which marks the episode failed (never dropped silently).
+(ties: the first). If a request fails to reach it or dies mid-request (`InferenceServerUnavailable`),
+the server's /health decides: no answer -> it is marked dead (out of the pool); an answer -> the
+error was transient (e.g. a stale keep-alive connection) and it stays. Either way the same request
+(same prompt ids, same sampling parameters) is retried on the least-loaded live server: a turn is
+regenerated whole, so the ids, log-probs and versions recorded all come from the one server that
+answered. After `max_attempts`, or with no live server left (after waiting `no_server_wait_s` for
+one to come back), the error is raised to the episode runner, which marks the episode failed
+(never dropped silently).
 A server that rejects a request (`InferenceServerError`, e.g. a prompt too long) is not retried:
 another server would reject it too.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from agentrl.engine.inference import Generation, InferenceServerUnavailable, SamplingParams, VLLMClient
@@ -35,12 +39,14 @@ class _Server:
 
 class ServerPool:
     def __init__(self, base_urls: list[str], *, max_attempts: int = 3, probe_interval_s: float = 5.0,
-                 request_timeout_s: float = 600.0, max_connections: int = 8192):
+                 request_timeout_s: float = 600.0, max_connections: int = 8192, no_server_wait_s: float = 0.0):
         if not base_urls:
             raise ValueError("ServerPool needs at least one server base URL")
         self.servers = [_Server(VLLMClient(u, max_connections=max_connections, request_timeout_s=request_timeout_s)) for u in base_urls]
         self.max_attempts = max_attempts
         self.probe_interval_s = probe_interval_s
+        self.no_server_wait_s = no_server_wait_s
+        """With every server down, how long a request waits for one to come back before failing, seconds."""
         self._probe: asyncio.Task | None = None
         self.num_generated_tokens = 0
         self.num_retries = 0
@@ -75,14 +81,19 @@ class ServerPool:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         last_error: InferenceServerUnavailable | None = None
         for attempt in range(self.max_attempts):
-            server = self._pick()
+            server = await self._pick_live()
             server.outstanding += 1
             server.num_requests += 1
             try:
                 generation = await server.client.generate(prompt_ids, params)
             except InferenceServerUnavailable as err:
-                self._mark_dead(server, err)
                 last_error = err
+                server.num_failures += 1
+                # A failed request alone does not prove death: a pooled keep-alive connection the
+                # server had closed fails with "Can not write request body" while the server is fine.
+                # /health decides (connection refused on a dead server: milliseconds).
+                if not await server.client.health():
+                    self._mark_dead(server, err)
                 if attempt + 1 < self.max_attempts:
                     self.num_retries += 1
                 continue
@@ -92,8 +103,19 @@ class ServerPool:
             return generation
         raise InferenceServerUnavailable(f"generation failed on {self.max_attempts} attempts; last: {last_error}")
 
+    async def _pick_live(self) -> _Server:
+        """The least-loaded live server; with none live, wait up to `no_server_wait_s` for the probe
+        to bring one back (a restarting server), then raise."""
+        deadline = time.monotonic() + self.no_server_wait_s
+        while True:
+            try:
+                return self._pick()
+            except InferenceServerUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(min(self.probe_interval_s, 1.0))
+
     def _mark_dead(self, server: _Server, err: Exception) -> None:
-        server.num_failures += 1
         if server.alive:
             server.alive = False
             log.warning("inference server %s taken out of the pool: %s", server.client.base_url, err)
