@@ -142,14 +142,14 @@ class Services:
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self):
+        from transformers import AutoTokenizer
+
         from agentrl.engine.chat import ChatFormat
         from agentrl.engine.env import ToolEnv
         from agentrl.engine.pool import ServerPool
         from agentrl.engine.tools import remote_tools
-        from agentrl.toolservers.client import ToolClient
-        from transformers import AutoTokenizer
-
         from agentrl.model import resolve_model
+        from agentrl.toolservers.client import ToolClient
 
         cfg = self.config
         await self._stack.__aenter__()
@@ -160,9 +160,10 @@ class Services:
                 from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
                 server = VLLMServer(VLLMServerConfig(model_dir=model_dir, max_model_len=cfg.inference.max_model_len))
-                print(f"starting vLLM server (pid after start; log {server.log_path}) ...", file=sys.stderr)
+                print(f"starting a vLLM server for {model_dir} (log {server.log_path}) ...", file=sys.stderr)
+                self._stack.callback(server.stop)  # registered first: a start that times out still stops its process group
                 await asyncio.to_thread(server.start)
-                self._stack.callback(server.stop)
+                print(f"vLLM server pid {server.pid} at {server.base_url}", file=sys.stderr)
                 servers = [server.base_url]
             endpoints = list(cfg.tools.search_endpoints)
             if not endpoints:
