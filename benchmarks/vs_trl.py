@@ -2,7 +2,7 @@
 agentrl (`agentrl train`) and once with TRL's GRPOTrainer with tool calling; episodes per second
 and held-out EM of each.
 
-    python benchmarks/vs_trl.py [--minutes 10] [--out DIR] [--only agentrl|trl]
+    python benchmarks/vs_trl.py [--minutes 10] [--config FILE] [--out DIR] [--only agentrl|trl] [--heldout-num N]
 
 What is compared (both sides on this machine, one after the other, never at once):
 - agentrl: `agentrl train` on the embedded CPU default (SFT cold start on gold trajectories, then
@@ -83,11 +83,12 @@ def ensure_trl_venv(log_path: Path) -> Path:
 # ---------------------------------------------------------------- the shared job
 
 
-def comparison_config(minutes: float):
-    """The embedded default of `agentrl train`, with only the search tool and no in-budget evaluation."""
+def comparison_config(minutes: float, path: str | None = None):
+    """`agentrl train`'s config (default: the embedded CPU default), with only the search tool and no
+    in-budget evaluation."""
     from agentrl.train import load_train_config
 
-    config = load_train_config(None)
+    config = load_train_config(path)
     config.minutes = minutes
     config.services.tools = ["search"]
     config.eval.every_s = 1e9
@@ -231,6 +232,7 @@ def machine_info() -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/vs_trl.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of SFT + RL per side, minutes")
+    parser.add_argument("--config", default=None, help="agentrl train config to compare on (default: the embedded CPU default)")
     parser.add_argument("--out", default=None, help="run folder (default: runs/vs_trl-<timestamp>)")
     parser.add_argument("--only", choices=("agentrl", "trl"), default=None, help="run one side only (development)")
     parser.add_argument("--prompts-per-step", type=int, default=2,
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out or REPO / "runs" / f"vs_trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    config = comparison_config(args.minutes)
+    config = comparison_config(args.minutes, args.config)
     if args.heldout_num is not None:
         config.tasks.heldout_num = args.heldout_num
     info = machine_info()

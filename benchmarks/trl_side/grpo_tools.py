@@ -177,10 +177,14 @@ def evaluate(model, tokenizer, prefix: list[dict], tasks: list[dict], search: Se
     """Greedy held-out EM: up to `max_turns` turns of at most `max_action_tokens` tokens each, the
     action cut at agentrl's cut point, answers and tool calls parsed by agentrl's parser, tool
     results and error messages in agentrl's words."""
+    import copy
+
     import torch
 
     t0 = time.perf_counter()
-    model.eval()
+    # A bf16 copy, as agentrl's vLLM server serves bf16: decoding is bound by reading the weights
+    # (540 MB per step in fp32), and autocast would re-cast every weight at every step.
+    model = copy.deepcopy(model).to(torch.bfloat16).eval()
     tokenizer.padding_side = "left"
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ems, f1s, valid_calls = [], [], 0
@@ -199,7 +203,7 @@ def evaluate(model, tokenizer, prefix: list[dict], tasks: list[dict], search: Se
             if room < env["min_action_tokens"]:
                 break
             t_turn = time.perf_counter()
-            with torch.no_grad():  # fp32: on this CPU, autocast re-casts every weight at every decode step
+            with torch.no_grad():
                 out = model.generate(**enc, max_new_tokens=min(env["max_action_tokens"], room), do_sample=False,
                                      eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id)
             gen = out[:, enc["input_ids"].shape[1]:]
@@ -224,7 +228,7 @@ def evaluate(model, tokenizer, prefix: list[dict], tasks: list[dict], search: Se
         for task, answer in zip(batch, answers, strict=True):
             ems.append(A.metrics.exact_match(answer, task["answers"]) if answer is not None else 0.0)
             f1s.append(A.metrics.f1_score(answer, task["answers"]) if answer is not None else 0.0)
-    model.train()
+    del model
     n = max(len(tasks), 1)
     return {"em": sum(ems) / n, "f1": sum(f1s) / n, "n": len(tasks), "valid_calls_per_episode": valid_calls / n,
             "eval_s": round(time.perf_counter() - t0, 1)}
@@ -265,6 +269,7 @@ def run_sft(model, tokenizer, gold: list[dict], recipe: dict, out: Path, deadlin
         learning_rate=recipe["sft_lr"], lr_scheduler_type="constant_with_warmup", warmup_steps=recipe["sft_warmup_steps"],
         weight_decay=0.0, max_grad_norm=recipe["grad_clip"], bf16=True, use_cpu=True, logging_steps=1, save_strategy="no",
         report_to=[], max_length=None, packing=False, dataloader_num_workers=0, seed=recipe["seed"],
+        gradient_checkpointing=False,  # TRL's default is on; memory is no concern at 135M and recompute costs time
     )
     budget = budget_callback(deadline)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[budget])
@@ -314,6 +319,7 @@ def run_grpo(model, tokenizer, prefix: list[dict], train: list[dict], search: Se
         max_completion_length=max_completion, max_tool_calling_iterations=env["max_turns"] - 1,
         epsilon=recipe["eps_low"], epsilon_high=recipe["eps_high"], beta=0.0, loss_type="dapo", scale_rewards="group",
         shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0, seed=recipe["seed"],
+        gradient_checkpointing=False,  # as in the SFT phase (and agentrl's learner)
     )
     budget = budget_callback(deadline)
     trainer = GRPOTrainer(model=model, reward_funcs=[agentrl_reward], args=args, train_dataset=data, processing_class=tokenizer,
