@@ -160,7 +160,7 @@ class Learner:
         from agentrl.model import resolve_model
 
         path = resolve_model(self.config.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model.config._attn_implementation = "sdpa"
         return model
 
