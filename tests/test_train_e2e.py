@@ -92,6 +92,7 @@ def _metric_lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_train_survives_killed_search_replica_and_learner(tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(CONFIG)
