@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
+
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_gold_trajectory, run_episode
@@ -13,8 +15,6 @@ from agentrl.engine.rewards import RewardSchedule
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import FunctionTool, LocalSearchTool, ToolUnavailable
 from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
-from transformers import AutoTokenizer
-
 from agentrl.model import prepare_model
 
 # A malformed-call corpus: each line is one action a policy might produce.

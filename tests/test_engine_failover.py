@@ -38,26 +38,26 @@ async def test_killed_server_loses_no_episode(vllm_server, tokenizer, model_dir,
             doomed_state = pool.servers[0]
 
             async def kill_when_busy():
-                while not (doomed_state.outstanding >= 2 and doomed_state.num_requests >= 6):
+                while not (doomed_state.outstanding >= 2 and doomed_state.num_requests >= 4):
                     await asyncio.sleep(0.05)
                 doomed.kill()
 
             killer = asyncio.create_task(kill_when_busy())
-            stats = await Orchestrator(env, pool.generate, sink, config).run(tasks[:4])
+            stats = await Orchestrator(env, pool.generate, sink, config).run(tasks[:3])
             await asyncio.wait_for(killer, 5)
             assert pool.live_servers == [vllm_server.base_url]
             assert pool.num_retries >= 1  # in-flight turns of the dead server were regenerated elsewhere
         trajectories = [t for g in groups for t in g.trajectories]
-        assert stats.num_episodes_started == stats.num_episodes_finished == len(trajectories) == 16
+        assert stats.num_episodes_started == stats.num_episodes_finished == len(trajectories) == 12
         assert sorted((t.group_id, t.sample_index) for t in trajectories) == sorted({(t.group_id, t.sample_index) for t in trajectories})
         assert stats.num_episodes_failed == 0 and all(t.status in ("ok", "truncated") for t in trajectories)
 
         # No server left: every episode comes back marked failed, with the reason.
         groups.clear()
         async with ServerPool([doomed.base_url], probe_interval_s=3600) as dead_pool:
-            stats = await Orchestrator(env, dead_pool.generate, sink, config).run(tasks[4:6])
+            stats = await Orchestrator(env, dead_pool.generate, sink, config).run(tasks[3:4])
         failed = [t for g in groups for t in g.trajectories]
-        assert len(failed) == stats.num_episodes_failed == 8
+        assert len(failed) == stats.num_episodes_failed == 4
         assert all(t.status == "failed" and "inference failed" in t.error for t in failed)
     finally:
         doomed.stop()

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from agentrl.engine.metrics import exact_match, f1_score, normalize_answer
 from agentrl.engine.tasks import (
     SyntheticQAConfig,

@@ -7,6 +7,7 @@ import socket
 
 import numpy as np
 import pytest
+
 from agentrl.engine.trajectory import Trajectory, TrajectoryGroup, Turn
 from agentrl.engine.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 
