@@ -112,3 +112,11 @@ def system_prompt(tool_schemas: Sequence[dict]) -> str:
 
 
 NAIVE_RAG_SYSTEM_PROMPT = """Answer the question using the passages. Write only the answer, as <answer>short answer</answer>."""
+
+# The Naive RAG baseline gets the same kind of worked example as the agent (one exchange, made-up entities),
+# so that the comparison is between retrieval strategies, not between prompted and unprompted formats.
+NAIVE_RAG_EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
+    ("user", "Passages:\n[1] Oska Venn: Oska Venn was born in Lorrowby. Oska Venn worked as a chemist.\n"
+             "[2] Brimbell Optics: Brimbell Optics was founded by Oska Venn in 1987.\n\nQuestion: Which city was Oska Venn born in?"),
+    ("assistant", "<answer>Lorrowby</answer>"),
+)

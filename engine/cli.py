@@ -220,7 +220,7 @@ async def _run_with_tools(services: Services, tasks: list[QATask], config: RunCo
 
 async def _run_naive_rag(services: Services, tasks: list[QATask], config: RunConfig, top_k: int = 3) -> list:
     """Naive RAG: retrieve once with the question, put the passages in the prompt, answer in one turn."""
-    from agentrl.engine.chat import NAIVE_RAG_SYSTEM_PROMPT
+    from agentrl.engine.chat import NAIVE_RAG_EXAMPLE_MESSAGES, NAIVE_RAG_SYSTEM_PROMPT
     from agentrl.engine.env import ToolEnv, format_content
     from agentrl.engine.orchestrator import Orchestrator
 
@@ -234,7 +234,7 @@ async def _run_naive_rag(services: Services, tasks: list[QATask], config: RunCon
             raise RuntimeError(f"Naive RAG retrieval failed for {task.task_id}: {result.error}")
         contexts[task.task_id] = f"Passages:\n{format_content(result.content)}\n\nQuestion: {task.question}"
     env_cfg = dataclasses.replace(config.env, max_turns=1, plain_text_is_answer=True)
-    env = ToolEnv(services.chat, env_cfg, system_prompt_text=NAIVE_RAG_SYSTEM_PROMPT, example_messages=())
+    env = ToolEnv(services.chat, env_cfg, system_prompt_text=NAIVE_RAG_SYSTEM_PROMPT, example_messages=NAIVE_RAG_EXAMPLE_MESSAGES)
     out = []
 
     async def collect(group):
