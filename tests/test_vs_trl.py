@@ -183,3 +183,20 @@ def test_export_holds_the_same_job(tmp_path, tokenizer):
     assert gold["token_ids"][: len(prefix_ids)] == list(prefix_ids)
     assert 0 < sum(gold["is_action"]) < len(gold["is_action"]) == len(gold["token_ids"])
     assert spec["recipe"]["train_layers"] == 8 and spec["recipe"]["rl_lr"] == 2e-6 and spec["recipe"]["sft_lr"] == 1e-4
+
+
+def test_trl_venv_is_reused_when_its_stamp_matches_and_rebuilt_when_not(tmp_path, monkeypatch):
+    venv = tmp_path / ".venv-trl"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    monkeypatch.setattr(vs_trl, "VENV", venv)
+    monkeypatch.setattr(vs_trl, "STAMP", venv / ".agentrl-stamp")
+    calls = []
+    monkeypatch.setattr(vs_trl.subprocess, "run", lambda argv, **kw: calls.append(argv) or type("R", (), {"returncode": 0})())
+    (venv / ".agentrl-stamp").write_text(json.dumps(vs_trl.trl_requirements()))
+    assert vs_trl.ensure_trl_venv(tmp_path / "log") == venv / "bin" / "python" and calls == []
+    (venv / ".agentrl-stamp").write_text(json.dumps(["trl==0.0.1"]))
+    vs_trl.ensure_trl_venv(tmp_path / "log")
+    assert [c[1:3] for c in calls] == [["-m", "venv"], ["-m", "pip"], ["-m", "pip"]]
+    assert calls[1][-1].startswith("torch==") and f"trl=={vs_trl.TRL_VERSION}" in calls[2]
+    assert json.loads((venv / ".agentrl-stamp").read_text()) == vs_trl.trl_requirements()
