@@ -635,7 +635,10 @@ async def run_actor(cfg: ActorConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     world = make_world(cfg.tasks) if cfg.tasks.source == "synthetic" else None
     async with Connections(cfg.vllm, cfg.tool_endpoints, cfg.model_dir, cfg.env) as conn:
-        sender = GroupSender(cfg.group_endpoint)
+        # The learner's queue is part of the staleness budget: every group waiting there is trained
+        # at a later version than the one that sampled it. Bounding the unacknowledged groups to
+        # the orchestrator's own in-flight bound keeps data at most ~2 x that many steps old.
+        sender = GroupSender(cfg.group_endpoint, max_unacked=cfg.orchestrator.max_groups_in_flight)
         versions = VersionSubscriber(cfg.version_endpoint)
         await sender.start()
         await versions.start()
