@@ -594,8 +594,9 @@ class Supervisor:
                     self._log_eval(summary)
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:
-            actor.stop(timeout_s=30)
-            learner.stop(timeout_s=120)
+            # In threads: the event loop must keep answering the tool services' heartbeats.
+            await asyncio.to_thread(actor.stop, 30)
+            await asyncio.to_thread(learner.stop, 120)
         self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll()})
 
 
