@@ -470,7 +470,9 @@ class Supervisor:
     # -- phases
     async def run(self) -> dict:
         cfg = self.config
+        t0 = time.monotonic()
         await self.start_services()
+        self.setup_s = time.monotonic() - t0
         async with Connections(self.vllm_urls, self.tool_endpoints, self.model_dir, cfg.env) as conn:
             self.conn = conn
             if "baseline" not in self.phases:
@@ -743,6 +745,7 @@ def main(argv: list[str]) -> int:
         "optimizer_steps": rl_metrics.get("step", 0),
         "learner_restarts": phases.get("rl", {}).get("learner_restarts", 0),
         "minutes": round((time.time() - t0) / 60, 2),
+        "minutes_after_setup": round((time.time() - t0 - supervisor.setup_s) / 60, 2),
         "report": str(report),
         "out": str(out),
     }
