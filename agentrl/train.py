@@ -484,7 +484,8 @@ class Supervisor:
                     result["naive_rag"] = await self._naive_rag()
                 self._phase_done("baseline", result)
             t_start = time.monotonic()
-            self.deadline = t_start + cfg.minutes * 60 - self.phases.get("elapsed_s", 0.0)
+            # On --resume the budget applies to what is left to do (a long run continues in slices).
+            self.deadline = t_start + cfg.minutes * 60
             if cfg.sft.enabled and "sft" not in self.phases:
                 await self._sft_phase()
             if "rl" not in self.phases:
