@@ -16,19 +16,19 @@ from typing import Any
 def from_dict(cls: type, data: Any, where: str) -> Any:
     """Build dataclass `cls` from a dict; nested dataclass fields from nested dicts (also lists of them)."""
     if not isinstance(data, dict):
-        raise ValueError(f"[{where}]: expected a table, got {data!r}")
+        raise ValueError(f"{where}: expected a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"[{where}]: unknown key(s) {unknown}; accepted: {sorted(names)}")
+        raise ValueError(f"{where}: unknown key(s) {unknown}; accepted: {sorted(names)}")
     kwargs = {}
     for key, value in data.items():
         kwargs[key] = _convert(hints[key], value, f"{where}.{key}")
     try:
         return cls(**kwargs)
     except TypeError as err:
-        raise ValueError(f"[{where}]: {err}") from None
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:

@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import signal
 import sys
 import time
 import tomllib
-import types
-import typing
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from agentrl.config import from_dict
 from agentrl.engine.rewards import RewardSchedule
 from agentrl.engine.trajectory import TrajectoryGroup
 from agentrl.learner.advantages import RewardWeights, compute_advantages, filter_groups
@@ -110,29 +108,11 @@ class LearnerConfig:
             raise ValueError("trainer.loss.kl_coef > 0 needs kl_reference = true")
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    """A dataclass from a (TOML) dict; unknown keys are errors with the accepted keys in the message."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a table, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(names)}")
-    kwargs = {}
-    for key, value in data.items():
-        hint = hints[key]
-        options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
-        target = next((t for t in options if dataclasses.is_dataclass(t)), None)
-        kwargs[key] = _build(target, value, f"{where}.{key}") if target is not None and isinstance(value, dict) else value
-    return cls(**kwargs)
-
-
 def load_config(path: str | Path) -> LearnerConfig:
     """Read a TOML config file: top-level keys of LearnerConfig, tables for the nested configs."""
     with open(path, "rb") as f:
         data = tomllib.load(f)
-    return _build(LearnerConfig, data, str(path))
+    return from_dict(LearnerConfig, data, str(path))
 
 
 def staleness_of(traj, version: int) -> np.ndarray:
