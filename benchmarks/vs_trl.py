@@ -194,14 +194,16 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
 
 def run_side(name: str, argv: list[str], log_path: Path, timeout_s: float) -> dict:
     """Run one side as a child process group (stopped by PID on timeout or Ctrl-C); its last stdout
-    line is its JSON result."""
-    print(f"[{name}] {' '.join(argv)}\n[{name}] log: {log_path}", flush=True)
+    line is its JSON result. Its stdout goes to `log_path`.stdout (follow it with `tail -f`), its
+    stderr to `log_path`."""
+    stdout_path = log_path.with_suffix(".stdout")
+    print(f"[{name}] {' '.join(argv)}\n[{name}] progress: {stdout_path}  errors: {log_path}", flush=True)
     t0 = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, start_new_session=True, cwd=REPO,
+    with open(stdout_path, "wb") as out, open(log_path, "wb") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True, cwd=REPO,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1", TRL_EXPERIMENTAL_SILENCE="1"))
         try:
-            out, _ = proc.communicate(timeout=timeout_s)
+            proc.wait(timeout=timeout_s)
         except BaseException:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -210,9 +212,7 @@ def run_side(name: str, argv: list[str], log_path: Path, timeout_s: float) -> di
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
             raise
-    text = out.decode(errors="replace")
-    (log_path.with_suffix(".stdout")).write_text(text)
-    lines = [line for line in text.splitlines() if line.strip()]
+    lines = [line for line in stdout_path.read_text(errors="replace").splitlines() if line.strip()]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{name} exited with {proc.returncode}; stdout tail:\n" + "\n".join(lines[-15:]) + f"\nstderr: {log_path}")
     result = json.loads(lines[-1])

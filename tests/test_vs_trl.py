@@ -200,3 +200,11 @@ def test_trl_venv_is_reused_when_its_stamp_matches_and_rebuilt_when_not(tmp_path
     assert [c[1:3] for c in calls] == [["-m", "venv"], ["-m", "pip"], ["-m", "pip"]]
     assert calls[1][-1].startswith("torch==") and f"trl=={vs_trl.TRL_VERSION}" in calls[2]
     assert json.loads((venv / ".agentrl-stamp").read_text()) == vs_trl.trl_requirements()
+
+
+def test_run_side_reads_the_last_json_line_and_reports_a_failing_side(tmp_path):
+    ok = [sys.executable, "-c", "import json; print('progress'); print(json.dumps({'episodes': 7}))"]
+    assert vs_trl.run_side("ok", ok, tmp_path / "ok.log", timeout_s=60)["episodes"] == 7
+    bad = [sys.executable, "-c", "import sys; print('half way'); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exited with 3(.|\n)*half way"):
+        vs_trl.run_side("bad", bad, tmp_path / "bad.log", timeout_s=60)
