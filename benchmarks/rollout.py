@@ -190,8 +190,13 @@ async def utilisation(pool, env, tasks, concurrency: int, window_s: float, warmu
         raw.append(await windowed(raw_load))
         orch.append(await windowed(through_orchestrator))
         print(f"utilisation run {run}: raw {raw[-1]:.1f} tok/s, through orchestrator {orch[-1]:.1f} tok/s", file=sys.stderr)
-    ratios = [o / r for o, r in zip(orch, raw, strict=True)]
+    # A window in which the server generated nothing (seen when several vLLM servers on one machine
+    # all pin their worker to core 0) has no ratio; it is reported, not divided by.
+    ratios = [o / r for o, r in zip(orch, raw, strict=True) if r > 0]
+    if not ratios:
+        raise RuntimeError(f"the server generated no tokens in any raw-load window ({raw}); is it stalled?")
     return {"backend_utilisation": round(statistics.median(ratios), 3), "backend_utilisation_spread": round(spread(ratios), 3),
+            "utilisation_windows_used": len(ratios),
             "raw_tokens_per_s": round(statistics.median(raw), 1), "orchestrator_tokens_per_s": round(statistics.median(orch), 1),
             "utilisation_concurrency": concurrency}
 
@@ -326,7 +331,7 @@ def main() -> int:
     args.lockstep_episodes = 256 if args.spec else 32
     args.max_turns = 4 if args.spec else 3
     args.action_tokens = 48 if args.spec else 40
-    args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 12.0, 4.0, 2
+    args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 15.0, 4.0, 3
 
     from agentrl.model import prepare_model
 
