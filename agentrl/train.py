@@ -206,7 +206,7 @@ class Proc:
 
 
 def _agentrl(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agentrl.cli", *args]
+    return [sys.executable, "-P", "-m", "agentrl.cli", *args]
 
 
 def _free_endpoint() -> str:

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result: dict = {"budget_minutes": args.minutes}
     if args.only in (None, "agentrl"):
-        a = run_side("agentrl", [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config_path),
+        a = run_side("agentrl", [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config_path),
                                  "--minutes", str(args.minutes), "--out", str(out / "agentrl")],
                      out / "agentrl.log", args.minutes * 60 + setup_timeout_s)
         result.update(episodes=a["episodes"], episodes_per_s=round(a["episodes"] / (args.minutes * 60), 4),

@@ -91,7 +91,7 @@ class VLLMServer:
         cpu = vllm_is_cpu_build()
         gmu = cfg.gpu_memory_utilization if cfg.gpu_memory_utilization is not None else (0.15 if cpu else 0.9)
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
             "--host", cfg.host,
             "--port", str(self.port),

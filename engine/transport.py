@@ -42,8 +42,9 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 import zmq.asyncio
-from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
 from zmq.utils.monitor import parse_monitor_message
+
+from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 

@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${AGENTRL_VENV:-.venv}
-exec "$VENV/bin/python" -m pytest -ra "$@"
+# -P: do not put the repository root on sys.path. Its top-level kernels/ folder (agentrl.kernels
+# once installed) would otherwise be importable as `kernels`, the name of a Hugging Face package
+# that transformers probes for. Child processes inherit PYTHONSAFEPATH for the same reason.
+export PYTHONSAFEPATH=1
+exec "$VENV/bin/python" -P -m pytest -ra "$@"

@@ -46,7 +46,7 @@ def test_prepare_model_missing_wheel_names_the_package(monkeypatch, tmp_path):
 def test_prepare_model_is_idempotent(model_dir):
     marker_mtime = (model_dir / model_mod.COMPLETE_MARKER).stat().st_mtime_ns
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "prepare-model", "--out", str(model_dir)],
+        [sys.executable, "-P", "-m", "agentrl.cli", "prepare-model", "--out", str(model_dir)],
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip().splitlines()[-1] == str(model_dir)
@@ -196,7 +196,7 @@ async def test_bad_pushes_are_refused_and_change_nothing(vllm_server, tokenizer,
 
 def test_push_weights_cli_prints_one_json_line(vllm_server, model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
+        [sys.executable, "-P", "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
          "--weights", str(model_dir / "model.safetensors"), "--version", "0"],
         capture_output=True, text=True, timeout=300,
     )
@@ -207,7 +207,7 @@ def test_push_weights_cli_prints_one_json_line(vllm_server, model_dir):
 
 def test_push_weights_cli_refusal_is_a_clear_error(vllm_server, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
+        [sys.executable, "-P", "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
          "--weights", str(tmp_path / "absent.safetensors"), "--version", "5"],
         capture_output=True, text=True, timeout=120,
     )
@@ -236,7 +236,7 @@ def _group_members(pgid: int) -> list[int]:
 def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1"],
+        [sys.executable, "-P", "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
     )
     try:

@@ -21,9 +21,9 @@ def _free_port() -> int:
 def test_fsdp2_two_processes_match_one_process(tmp_path):
     single = run_check_step(rank=0, world=1)
     out = tmp_path / "fsdp.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), "-m", "agentrl.learner.distributed", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=300,
     )

@@ -78,7 +78,7 @@ lr = 1e-5
         version_before = await client.weight_version()
     search = start_toolserver("search", "tcp://127.0.0.1:*", "--corpus", str(corpus))
     log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115
-    learner = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "learner", "--config", str(config)],
+    learner = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     groups = []
     sender = GroupSender(group_endpoint)

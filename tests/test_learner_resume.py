@@ -68,7 +68,7 @@ task_end = 1.0
 class LearnerProcess:
     def __init__(self, config: Path, log: Path):
         self.log = open(log, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "learner", "--config", str(config)],
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_exit(self, timeout_s: float) -> int:

@@ -279,7 +279,7 @@ async def test_sigterm_stops_the_server_by_itself_and_a_restart_is_picked_up():
 
 
 def agentrl(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agentrl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", *args], capture_output=True, text=True,
                           timeout=timeout_s)
 
 

@@ -202,7 +202,7 @@ async def test_replica_dying_during_a_non_idempotent_call_is_not_retried():
 
 def test_refuses_to_start_without_bubblewrap(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # no bwrap on PATH
-    res = subprocess.run([sys.executable, "-m", "agentrl.cli", "toolserver", "python", "--bind", LOCAL],
+    res = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "toolserver", "python", "--bind", LOCAL],
                          env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "bubblewrap" in res.stderr and "READY" not in res.stdout
 

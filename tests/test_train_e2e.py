@@ -98,7 +98,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     config.write_text(CONFIG)
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
+        [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     reader = LineReader(proc.stdout)

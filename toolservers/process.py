@@ -88,7 +88,7 @@ def start_toolserver(
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"agentrl-toolserver-{name}-", suffix=".log")
         os.close(fd)
-    cmd = [sys.executable, "-m", "agentrl.cli", "toolserver", name, "--bind", bind, *args]
+    cmd = [sys.executable, "-P", "-m", "agentrl.cli", "toolserver", name, "--bind", bind, *args]
     with open(log_path, "ab") as log_file:
         popen = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
