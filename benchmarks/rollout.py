@@ -294,7 +294,8 @@ async def on_vllm(model_dir: str, args) -> dict:
 
     world, tasks = synthetic_tasks(split="train", num=max(args.lockstep_episodes, 256), config=SyntheticQAConfig(num_companies=400))
     chat = ChatFormat(AutoTokenizer.from_pretrained(model_dir))
-    env_config = EnvConfig(max_turns=args.max_turns, max_action_tokens=args.action_tokens)
+    # The env's tool timeout (10 s by default) would cut the log-normal tail the comparison is about.
+    env_config = EnvConfig(max_turns=args.max_turns, max_action_tokens=args.action_tokens, tool_timeout_s=3600.0)
     server = None
     if not args.server:
         server = VLLMServer(VLLMServerConfig(model_dir=model_dir))
@@ -306,7 +307,9 @@ async def on_vllm(model_dir: str, args) -> dict:
             passages = world.passages
             instant_env.register_tool(FunctionTool("search", "Search the knowledge base.", SEARCH_PARAMETERS,
                                                    lambda query, top_k=3: passages[hash(query) % (len(passages) - 3):][:3]))
-            out = await utilisation(pool, instant_env, tasks, args.concurrency, args.window_s, args.warmup_s, args.runs)
+            out = {}
+            if not args.skip_utilisation:
+                out.update(await utilisation(pool, instant_env, tasks, args.concurrency, args.window_s, args.warmup_s, args.runs))
             out.update(await async_vs_lockstep(pool, chat, world, tasks[: args.lockstep_episodes], env_config,
                                                SamplingConfig(temperature=args.avl_temperature, seed=11), tool_seed=5))
             out.update(action_tokens_per_turn_max=args.action_tokens, max_turns=args.max_turns, avl_temperature=args.avl_temperature)
@@ -321,6 +324,7 @@ def main() -> int:
     parser.add_argument("--spec", action="store_true", help="the issue's full sizes: 256 lockstep episodes, 48-token turns")
     parser.add_argument("--skip-vllm", action="store_true", help="only the capacity measurement")
     parser.add_argument("--skip-capacity", action="store_true", help="only the measurements on the real vLLM server")
+    parser.add_argument("--skip-utilisation", action="store_true", help="skip the backend utilisation measurement")
     parser.add_argument("--server", help="use this running vLLM server (base URL) instead of starting one")
     parser.add_argument("--avl-temperature", type=float, default=0.0,
                         help="sampling temperature of the async-vs-lockstep episodes (default greedy: the untrained 135M "
