@@ -113,11 +113,15 @@ async def test_malformed_message_is_counted_and_skipped():
     sender = GroupSender(ep)
     await sender.start()
     try:
+        receiving = asyncio.create_task(receiver.recv())
         await bad.send_multipart([b"group", b"\x00not msgpack"])
-        await asyncio.sleep(0.1)
+        for _ in range(200):  # the receiver reads, counts and skips it, and keeps waiting
+            if receiver.num_malformed:
+                break
+            await asyncio.sleep(0.05)
+        assert receiver.num_malformed == 1 and not receiving.done()
         await sender.send(group("ok"))
-        assert (await asyncio.wait_for(receiver.recv(), 10)).group.group_id == "ok"
-        assert receiver.num_malformed == 1
+        assert (await asyncio.wait_for(receiving, 10)).group.group_id == "ok"
     finally:
         ctx.destroy(linger=0)
         await sender.close()
