@@ -40,7 +40,11 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # The worker imports test_kernels from this folder; with PYTHONSAFEPATH (scripts/test.sh) Python no
+    # longer puts a script's own folder on sys.path, so name it.
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S
     )
