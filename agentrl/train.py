@@ -439,8 +439,6 @@ class Supervisor:
 
     # -- learner / actor processes
     def _learner_config(self, phase: str, overrides: dict) -> tuple[Path, dict]:
-        from agentrl.learner.service import LearnerConfig
-
         base = deep_merge(self.config.learner, overrides)
         data = {
             **base,
@@ -458,7 +456,6 @@ class Supervisor:
         from agentrl.learner.service import load_config
 
         load_config(path)  # validate now, in the supervisor, with the learner's own rules
-        assert LearnerConfig is not None
         return path, data
 
     def _start(self, name: str, argv: list[str]) -> Proc:
