@@ -103,11 +103,31 @@ EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
 )
 
 
-def system_prompt(tool_schemas: Sequence[dict]) -> str:
-    """The agent's system prompt: how to call tools and answer, and the tool list as compact one-line
-    JSON (about 130 tokens with the search tool; about 330 with `EXAMPLE_MESSAGES`)."""
-    lines = [json.dumps({"name": s["function"]["name"], "description": s["function"].get("description", ""),
-                         "parameters": s["function"].get("parameters", {})}, separators=(",", ":")) for s in tool_schemas]
+def _signature(schema: dict) -> str:
+    """`name(arg: type, opt?: type): description`: one short line per tool."""
+    fn = schema["function"]
+    params = fn.get("parameters", {})
+    required = set(params.get("required", ()))
+    args = ", ".join(f"{name}{'' if name in required else '?'}: {spec.get('type', 'any')}"
+                     for name, spec in params.get("properties", {}).items())
+    return f"{fn['name']}({args}): {fn.get('description', '')}"
+
+
+def system_prompt(tool_schemas: Sequence[dict], tool_list: str = "json") -> str:
+    """The agent's system prompt: how to call tools and answer, then the tool list.
+
+    `tool_list` "json": each tool's whole schema as one-line JSON; "signature": one
+    `name(arg: type, opt?: type): description` line per tool. With search, python and calculator the
+    whole system prompt is 441 tokens (SmolLM2's tokenizer) as "json" and 198 as "signature".
+    Arguments are validated against the full schema either way; the short form makes every sampled
+    and every trained episode ~240 tokens shorter."""
+    if tool_list == "json":
+        lines = [json.dumps({"name": s["function"]["name"], "description": s["function"].get("description", ""),
+                             "parameters": s["function"].get("parameters", {})}, separators=(",", ":")) for s in tool_schemas]
+    elif tool_list == "signature":
+        lines = [_signature(s) for s in tool_schemas]
+    else:
+        raise ValueError(f"tool_list={tool_list!r}: choose 'json' or 'signature'")
     return SYSTEM_PROMPT_TEMPLATE.format(tools="\n".join(lines))
 
 

@@ -61,9 +61,18 @@ class EnvConfig:
     """Task reward: "em" (exact match in {0, 1}) or "f1"."""
     plain_text_is_answer: bool = False
     """Take an action without tags that ended with <|im_end|> as the final answer (Naive RAG)."""
+    tool_list: str = "json"
+    """How the system prompt lists the tools: "json" (whole schemas) or "signature" (one short line
+    each); see chat.system_prompt."""
+    worked_example: bool = True
+    """Put one worked example (chat.EXAMPLE_MESSAGES: ~200 tokens) between the system message and the
+    question. The untrained model needs it to call tools at all; a policy cold-started on gold
+    trajectories does not, and every episode is then 200 tokens shorter to sample and to train."""
     rewards: R.ProcessRewardConfig = field(default_factory=R.ProcessRewardConfig)
 
     def __post_init__(self) -> None:
+        if self.tool_list not in ("json", "signature"):
+            raise ValueError(f"EnvConfig.tool_list must be 'json' or 'signature', got {self.tool_list!r}")
         if self.task_metric not in ("em", "f1"):
             raise ValueError(f"EnvConfig.task_metric must be 'em' or 'f1', got {self.task_metric!r}")
         if self.max_turns < 1 or self.max_action_tokens < 1 or self.max_total_tokens <= self.max_action_tokens:
@@ -137,14 +146,16 @@ class Transition:
 
 class ToolEnv:
     def __init__(self, chat: ChatFormat, config: EnvConfig | None = None, *, parser: ToolCallParser | None = None,
-                 system_prompt_text: str | None = None, example_messages: tuple[tuple[str, str], ...] | None = EXAMPLE_MESSAGES):
+                 system_prompt_text: str | None = None, example_messages: tuple[tuple[str, str], ...] | None = None):
         self.chat = chat
         self.config = config or EnvConfig()
         self.parser = parser or HermesParser()
         self.tools: dict[str, Tool] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
         self._system_prompt_text = system_prompt_text
-        self.example_messages = tuple(example_messages or ())
+        if example_messages is None:
+            example_messages = EXAMPLE_MESSAGES if self.config.worked_example else ()
+        self.example_messages = tuple(example_messages)
         """Chat turns between the system message and the question (a worked example); () for none."""
         self._prefix_ids: list[int] | None = None
 
@@ -161,7 +172,7 @@ class ToolEnv:
     def system_prompt(self) -> str:
         if self._system_prompt_text is not None:
             return self._system_prompt_text
-        return system_prompt([t.schema() for t in self.tools.values()])
+        return system_prompt([t.schema() for t in self.tools.values()], self.config.tool_list)
 
     def reset(self, task: QATask, user_content: str | None = None) -> EpisodeState:
         prefix = [("system", self.system_prompt), *self.example_messages]

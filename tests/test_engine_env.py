@@ -105,6 +105,20 @@ async def test_gold_trajectory_decodes_to_conversation_and_masks_actions(chat, w
     assert decode_group(encode_group(TrajectoryGroup("g", task.task_id, [traj]))).trajectories[0].turns == traj.turns
 
 
+def test_short_prompt_options_list_every_tool_and_drop_the_example(chat, world_tasks):
+    world, tasks = world_tasks
+    long_env = make_env(chat, world)
+    short_env = make_env(chat, world, tool_list="signature", worked_example=False)
+    long_state, short_state = long_env.reset(tasks[0]), short_env.reset(tasks[0])
+    assert "Brimbell Optics" in chat.decode(long_state.token_ids)  # the worked example
+    short_text = chat.decode(short_state.token_ids)
+    assert "Brimbell Optics" not in short_text and short_text.endswith(f"Question: {tasks[0].question}<|im_end|>\n<|im_start|>assistant\n")
+    assert "search(query: string, top_k?: integer): " in short_text and "boom(): always fails" in short_text
+    assert short_state.prompt_len < long_state.prompt_len - 200
+    with pytest.raises(ValueError, match="tool_list"):
+        EnvConfig(tool_list="xml")
+
+
 async def test_cut_after_answer_keeps_exact_prefix_of_generated_ids(chat, world_tasks):
     world, tasks = world_tasks
     env = make_env(chat, world)
