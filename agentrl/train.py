@@ -6,7 +6,8 @@ and the learner as separate processes, drives the phases, evaluates, and writes 
 
 Phases (the embedded default: configs/cpu_default.toml):
 1. set-up: the synthetic world and its corpus, tool services (search, python, calculator; or the
-   given endpoints), a vLLM server (or the given URLs). Not counted in the time budget.
+   given endpoints), a vLLM server (or the given URLs). Not counted in the time budget; everything
+   after it is (`minutes`).
 2. held-out evaluation of the untrained policy with tools (Base Tool Call) and of Naive RAG.
 3. SFT cold start (optional): gold trajectories of training questions are streamed to a learner
    process in `sft` mode; it pushes its weights to the servers when done; held-out evaluation.
@@ -15,7 +16,7 @@ Phases (the embedded default: configs/cpu_default.toml):
    learner) run side by side; the learner pushes weights every step while rollouts continue. The
    supervisor evaluates on the held-out set every `eval.every_s`, restarts a learner that died
    (it resumes from its checkpoint and spool, so no group is lost or trained twice), and stops
-   both at the time budget.
+   both early enough that the final evaluation still fits in the time budget.
 5. final evaluation, `report.md` with plots, and one JSON line last.
 
 Every process the supervisor starts is stopped by PID (SIGTERM, then SIGKILL of its process
@@ -132,8 +133,10 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    minutes: float = 25.0
-    """Wall-clock budget of SFT + RL (+ their evaluations), minutes; set-up is not counted."""
+    minutes: float = 28.0
+    """Wall-clock budget of everything after set-up (baseline evaluations, SFT, RL, every evaluation
+    including the final one), minutes. The RL phase ends when what is left is the time the final
+    evaluation is expected to take (`_final_eval_reserve_s`)."""
     seed: int = 0
     model_dir: str = ""
     """HF folder of the initial policy; empty: the prepared SmolLM2-135M-Instruct."""
@@ -470,6 +473,7 @@ class Supervisor:
         t0 = time.monotonic()
         await self.start_services()
         self.setup_s = time.monotonic() - t0
+        self.deadline = time.monotonic() + cfg.minutes * 60
         async with Connections(self.vllm_urls, self.tool_endpoints, self.model_dir, cfg.env) as conn:
             self.conn = conn
             if "baseline" not in self.phases:
@@ -480,9 +484,7 @@ class Supervisor:
                 if cfg.eval.naive_rag:
                     result["naive_rag"] = await self._naive_rag()
                 self._phase_done("baseline", result)
-            t_start = time.monotonic()
             # On --resume the budget applies to what is left to do (a long run continues in slices).
-            self.deadline = t_start + cfg.minutes * 60
             if cfg.sft.enabled and "sft" not in self.phases:
                 await self._sft_phase()
             if "rl" not in self.phases:
@@ -573,7 +575,9 @@ class Supervisor:
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
         try:
-            while time.monotonic() < self.deadline:
+            rl_end = self.deadline - self._final_eval_reserve_s()
+            print(f"RL phase: {max(rl_end - time.monotonic(), 0) / 60:.1f} minutes", flush=True)
+            while time.monotonic() < rl_end:
                 await asyncio.sleep(2.0)
                 if actor.poll() is not None:
                     raise RuntimeError(f"actor exited with {actor.poll()}; log {actor.log_path}:\n{actor.log_tail()}")
@@ -589,7 +593,7 @@ class Supervisor:
                           flush=True)
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
-                if time.monotonic() >= next_eval and time.monotonic() + 60 < self.deadline:
+                if time.monotonic() >= next_eval and time.monotonic() + self._final_eval_reserve_s() < rl_end:
                     summary, _ = await evaluate(self.conn, self.heldout, "rl")
                     self._log_eval(summary)
                     next_eval = time.monotonic() + cfg.eval.every_s
@@ -598,6 +602,15 @@ class Supervisor:
             await asyncio.to_thread(actor.stop, 30)
             await asyncio.to_thread(learner.stop, 120)
         self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll()})
+
+
+    def _final_eval_reserve_s(self) -> float:
+        """Time to keep for stopping the RL processes (the learner checkpoints on SIGTERM: ~10 s)
+        and the final evaluation: 1.25 x the slowest policy evaluation so far, plus 30 s."""
+        path = self.out / "evals.jsonl"
+        evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        durations = [e["eval_s"] for e in evals if e.get("label") != "naive_rag" and "eval_s" in e]
+        return 1.25 * max(durations, default=120.0) + 30.0
 
 
 def _write_sample(path: Path, trajectories, chat) -> None:

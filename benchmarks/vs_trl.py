@@ -104,7 +104,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     from transformers import AutoTokenizer
 
     from agentrl.config import deep_merge
-    from agentrl.engine.chat import EXAMPLE_MESSAGES, ChatFormat
+    from agentrl.engine.chat import ChatFormat
     from agentrl.engine.env import ToolEnv
     from agentrl.engine.episode import build_gold_trajectory
     from agentrl.engine.rewards import RewardSchedule
@@ -171,7 +171,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
         "files": files,
         "prompt_prefix": [{"role": "system", "content": env.system_prompt}] + [
             {"role": role, "content": content.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
-             if role == "tool" else content} for role, content in EXAMPLE_MESSAGES],
+             if role == "tool" else content} for role, content in env.example_messages],
         "env": {k: getattr(config.env, k) for k in ("max_turns", "max_total_tokens", "max_action_tokens", "min_action_tokens",
                                                    "max_calls_per_turn", "max_calls_per_episode")},
         "recipe": {

@@ -49,11 +49,9 @@ def _env(tokenizer, search) -> ToolEnv:
 
 
 def _prefix(env: ToolEnv) -> list[dict]:
-    from agentrl.engine.chat import EXAMPLE_MESSAGES
-
     return [{"role": "system", "content": env.system_prompt}] + [
         {"role": r, "content": c.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>") if r == "tool" else c}
-        for r, c in EXAMPLE_MESSAGES]
+        for r, c in env.example_messages]
 
 
 def test_prompt_text_and_ids_match_agentrl(tokenizer, world, search):
@@ -182,7 +180,9 @@ def test_export_holds_the_same_job(tmp_path, tokenizer):
     gold = rows["gold"][0]
     assert gold["token_ids"][: len(prefix_ids)] == list(prefix_ids)
     assert 0 < sum(gold["is_action"]) < len(gold["is_action"]) == len(gold["token_ids"])
-    assert spec["recipe"]["train_layers"] == 8 and spec["recipe"]["rl_lr"] == 2e-6 and spec["recipe"]["sft_lr"] == 1e-4
+    rl_trainer = config.learner["trainer"]
+    assert spec["recipe"]["train_layers"] == rl_trainer["train_layers"] == 8
+    assert spec["recipe"]["rl_lr"] == rl_trainer["optimizer"]["lr"] and spec["recipe"]["sft_lr"] == 1e-4
 
 
 def test_trl_venv_is_reused_when_its_stamp_matches_and_rebuilt_when_not(tmp_path, monkeypatch):
