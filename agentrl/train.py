@@ -496,15 +496,10 @@ class Supervisor:
         return self.phases
 
     async def _naive_rag(self) -> dict:
-        from agentrl.engine.cli import RunConfig, _run_naive_rag
+        from agentrl.engine.cli import RunConfig, run_naive_rag
 
-        class _S:  # the minimal view of engine.cli.Services that _run_naive_rag reads
-            pass
-
-        s = _S()
-        s.tools, s.chat, s.pool = self.conn.tools, self.conn.chat, self.conn.pool
         t0 = time.perf_counter()
-        trajs = await _run_naive_rag(s, self.heldout, RunConfig(env=self.config.env))
+        trajs = await run_naive_rag(self.conn.tools, self.conn.chat, self.conn.pool, self.heldout, RunConfig(env=self.config.env))
         n = len(trajs)
         summary = {"label": "naive_rag", "time": time.time(), "n": n, "eval_s": time.perf_counter() - t0, "served_version": 0,
                    "em": sum(t.metrics.get("em", 0.0) for t in trajs) / max(n, 1),

@@ -34,6 +34,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.config import from_dict
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
@@ -88,30 +89,10 @@ class RunConfig:
     orchestrator: OrchestratorConfig = field(default_factory=lambda: OrchestratorConfig(group_size=1))
 
 
-def _build(cls, data: dict, where: str):
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ValueError(f"config [{where}]: unknown keys {unknown}; known: {sorted(names)}")
-    kwargs = {}
-    for key, value in data.items():
-        default = getattr(cls(), key) if key in names else None
-        kwargs[key] = _build(type(default), value, f"{where}.{key}") if dataclasses.is_dataclass(default) else value
-    return cls(**kwargs)
-
-
 def load_config(path: str | None) -> RunConfig:
     if path is None:
         return RunConfig()
-    data = tomllib.loads(Path(path).read_text())
-    config = RunConfig()
-    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(RunConfig)})
-    if unknown:
-        raise ValueError(f"{path}: unknown sections {unknown}")
-    for f in dataclasses.fields(RunConfig):
-        if f.name in data:
-            setattr(config, f.name, _build(type(getattr(config, f.name)), data[f.name], f.name))
-    return config
+    return from_dict(RunConfig, tomllib.loads(Path(path).read_text()), path)
 
 
 def load_tasks(cfg: TasksConfig, workdir: Path) -> tuple[list[QATask], Path]:
@@ -218,15 +199,15 @@ async def _run_with_tools(services: Services, tasks: list[QATask], config: RunCo
     return out
 
 
-async def _run_naive_rag(services: Services, tasks: list[QATask], config: RunConfig, top_k: int = 3) -> list:
+async def run_naive_rag(tools: list, chat, pool, tasks: list[QATask], config: RunConfig, top_k: int = 3) -> list:
     """Naive RAG: retrieve once with the question, put the passages in the prompt, answer in one turn."""
     from agentrl.engine.chat import NAIVE_RAG_EXAMPLE_MESSAGES, NAIVE_RAG_SYSTEM_PROMPT
     from agentrl.engine.env import ToolEnv, format_content
     from agentrl.engine.orchestrator import Orchestrator
 
-    search = next((t for t in services.tools if t.name == "search"), None)
+    search = next((t for t in tools if t.name == "search"), None)
     if search is None:
-        raise RuntimeError("Naive RAG needs a 'search' tool; the tool service offers " + ", ".join(t.name for t in services.tools))
+        raise RuntimeError("Naive RAG needs a 'search' tool; the tool services offer " + ", ".join(t.name for t in tools))
     results = await asyncio.gather(*(search.execute({"query": t.question, "top_k": top_k}) for t in tasks))
     contexts = {}
     for task, result in zip(tasks, results, strict=True):
@@ -234,13 +215,13 @@ async def _run_naive_rag(services: Services, tasks: list[QATask], config: RunCon
             raise RuntimeError(f"Naive RAG retrieval failed for {task.task_id}: {result.error}")
         contexts[task.task_id] = f"Passages:\n{format_content(result.content)}\n\nQuestion: {task.question}"
     env_cfg = dataclasses.replace(config.env, max_turns=1, plain_text_is_answer=True)
-    env = ToolEnv(services.chat, env_cfg, system_prompt_text=NAIVE_RAG_SYSTEM_PROMPT, example_messages=NAIVE_RAG_EXAMPLE_MESSAGES)
+    env = ToolEnv(chat, env_cfg, system_prompt_text=NAIVE_RAG_SYSTEM_PROMPT, example_messages=NAIVE_RAG_EXAMPLE_MESSAGES)
     out = []
 
     async def collect(group):
         out.extend(group.trajectories)
 
-    orch = Orchestrator(env, services.pool.generate, collect, dataclasses.replace(config.orchestrator, sampling=config.sampling),
+    orch = Orchestrator(env, pool.generate, collect, dataclasses.replace(config.orchestrator, sampling=config.sampling),
                         user_content=lambda t: contexts[t.task_id])
     await orch.run(tasks)
     return out
@@ -292,7 +273,7 @@ async def _eval(config: RunConfig, baselines: bool) -> int:
                 if is_base:  # the untrained model with tools *is* the Base Tool Call baseline
                     report.update({f"base_tool_call_{k}": v for k, v in policy.items() if k in ("em", "f1", "n")})
                     print(f"Base Tool Call (untrained model with tools, same run): em={policy['em']:.3f} f1={policy['f1']:.3f}")
-                rag = _summary(await _run_naive_rag(services, tasks, config))
+                rag = _summary(await run_naive_rag(services.tools, services.chat, services.pool, tasks, config))
                 print(f"Naive RAG: em={rag['em']:.3f} f1={rag['f1']:.3f} n={rag['n']} failed={rag['num_failed']}")
                 report.update({f"naive_rag_{k}": v for k, v in rag.items() if k in ("em", "f1", "n", "num_failed")})
         report.update(source=config.tasks.source, split=config.tasks.split, temperature=config.sampling.temperature,

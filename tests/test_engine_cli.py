@@ -37,8 +37,8 @@ def test_config_maps_onto_component_dataclasses(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[env]\nmax_turn = 4\n", "unknown keys"),
-    ("[envv]\n", "unknown sections"),
+    ("[env]\nmax_turn = 4\n", "unknown key.*max_turn"),
+    ("[envv]\n", "unknown key.*envv"),
     ("[env]\ntask_metric = 'bleu'\n", "task_metric"),
     ("[tasks]\nsource = 'hotpotqa'\n", "needs path"),
 ])
