@@ -41,8 +41,8 @@ def search(world):
     return G.Search(world.passages)
 
 
-def _env(tokenizer, search) -> ToolEnv:
-    env = ToolEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, max_action_tokens=96, max_total_tokens=3072))
+def _env(tokenizer, search, **prompt) -> ToolEnv:
+    env = ToolEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, max_action_tokens=96, max_total_tokens=3072, **prompt))
     spec = SearchTool.spec
     env.register_tool(FunctionTool(spec.name, spec.description, spec.parameters, lambda query, top_k=3: search(query, top_k)))
     return env
@@ -54,8 +54,9 @@ def _prefix(env: ToolEnv) -> list[dict]:
         for r, c in env.example_messages]
 
 
-def test_prompt_text_and_ids_match_agentrl(tokenizer, world, search):
-    env = _env(tokenizer, search)
+@pytest.mark.parametrize("prompt", [{}, {"tool_list": "signature", "worked_example": False}])
+def test_prompt_text_and_ids_match_agentrl(tokenizer, world, search, prompt):
+    env = _env(tokenizer, search, **prompt)
     task = world.questions("heldout", hops=[2], num=1)[0]
     agentrl_ids = env.reset(task).token_ids
     tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
