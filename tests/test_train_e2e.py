@@ -24,7 +24,7 @@ import pytest
 from agentrl.learner.ledger import load_latest_checkpoint
 
 CONFIG = """
-minutes = 4.0
+minutes = 6.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation
 [tasks]
 heldout_num = 8
 heldout_hops = [1]
