@@ -23,22 +23,40 @@ loss, gradient norm and a checksum of the updated parameters written as JSON by 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from agentrl.learner.batching import MicroBatch, PackedPolicy, Sample, build_micro_batches, pack_first_fit
 
 
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment; initialises the process group."""
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; initialises the process group.
+
+    `timeout_s` bounds every collective: a rank whose peer died or hangs raises after at most this
+    long instead of waiting forever (gloo enforces it on each receive)."""
     if "RANK" not in os.environ:
         raise RuntimeError("not started by torchrun (RANK unset); run: torchrun --nproc_per_node N ...")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend)
+    torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE set by torchrun, 1 without it (a plain process)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
 def shard_policy(policy: PackedPolicy) -> PackedPolicy:
@@ -61,26 +79,140 @@ def shard_samples(samples: Sequence[Sample], rank: int, world: int) -> list[Samp
     return [s for i, s in enumerate(samples) if owner[i] == rank]
 
 
-def equalise_micro_batches(samples: list[Sample], max_row_tokens: int) -> list[MicroBatch]:
-    """This rank's micro-batches, with rows split until every rank has the same number of them."""
+def plan_rows(samples: Sequence[Sample], max_row_tokens: int, num_rows: int) -> tuple[list[list[int]], int]:
+    """Rows of sample indices for `num_rows` micro-batches, and how many padding rows must follow.
+
+    Rows are first-fit packed, then the heaviest splittable row is halved until there are
+    `num_rows`; a share with fewer sequences than `num_rows` (e.g. one long sequence against the
+    other rank's three) cannot split that far, so the rest are padding rows (`padding_micro_batch`).
+    Pure and deterministic, so rank 0 can plan every rank's rows before it sends the shares.
+    """
     rows = pack_first_fit([s.num_tokens for s in samples], max_row_tokens)
-    count = torch.tensor([len(rows)])
-    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    while len(rows) < int(count):
+    while len(rows) < num_rows:
         splittable = [r for r in rows if len(r) > 1]
         if not splittable:
-            raise ValueError(f"this rank has {len(samples)} sequences but must run {int(count)} micro-batches; "
-                             "give every rank at least as many sequences as the busiest rank has rows")
+            break
         row = max(splittable, key=lambda r: sum(samples[i].num_tokens for i in r))
         rows.remove(row)
         rows += [row[: len(row) // 2], row[len(row) // 2 :]]
-    return build_micro_batches(samples, max_row_tokens, rows=rows)
+    return rows, num_rows - len(rows)
 
 
-def _check_batch(vocab_size: int):
+def padding_micro_batch() -> MicroBatch:
+    """A one-token row with no action token: it runs the forward (and so FSDP's per-forward
+    collectives) and contributes exactly zero loss and gradient. `num_seqs` is 1 because the loss
+    kernel needs a positive count; only the 'seq_mean' aggregation reads it (see `check_padding`)."""
+    empty_i64 = torch.zeros(0, dtype=torch.int64)
+    empty_f32 = torch.zeros(0, dtype=torch.float32)
+    return MicroBatch(input_ids_L=torch.zeros(1, dtype=torch.int64), position_ids_L=torch.zeros(1, dtype=torch.int64),
+                      gather_idx_N=empty_i64, targets_N=empty_i64, behavior_logprobs_N=empty_f32,
+                      advantages_N=empty_f32, policy_versions_N=empty_i64, seq_ids_N=empty_i64, num_seqs=1,
+                      samples=[])
+
+
+def num_padding_rows(shares: Sequence[Sequence[Sample]], max_row_tokens: int) -> int:
+    """Padding rows all ranks together will run for these shares (what `equalise_micro_batches` does)."""
+    num_rows = max(len(pack_first_fit([s.num_tokens for s in share], max_row_tokens)) for share in shares)
+    return sum(plan_rows(share, max_row_tokens, num_rows)[1] for share in shares)
+
+
+def equalise_micro_batches(samples: list[Sample], max_row_tokens: int) -> list[MicroBatch]:
+    """This rank's micro-batches, rows split (or padded) until every rank has the same number."""
+    rows = pack_first_fit([s.num_tokens for s in samples], max_row_tokens)
+    count = torch.tensor([len(rows)])
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    rows, num_padding = plan_rows(samples, max_row_tokens, int(count))
+    return build_micro_batches(samples, max_row_tokens, rows=rows) + [padding_micro_batch() for _ in range(num_padding)]
+
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+"""Gather to full tensors on rank 0's CPU (the other ranks get empty dicts)."""
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+"""Load full tensors that only rank 0 holds: it broadcasts, each rank keeps its shard."""
+
+
+def full_state(policy: PackedPolicy, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """(policy state, optimizer state) as full tensors on rank 0 (collective; empty on the others).
+
+    The policy state has the same keys as `policy.state_dict()` of an unsharded policy; the
+    optimizer state is keyed by parameter name (not by index, as an unsharded optimizer's is)."""
+    model_state = get_model_state_dict(policy, options=FULL_STATE)
+    optim_state = get_optimizer_state_dict(policy, optimizer, options=FULL_STATE) if optimizer is not None else None
+    return model_state, optim_state
+
+
+def load_full_state(policy: PackedPolicy, model_state: dict, optimizer: torch.optim.Optimizer | None = None,
+                    optim_state: dict | None = None, *, strict: bool = True) -> None:
+    """Inverse of `full_state` (collective): rank 0 passes the full dicts, the other ranks `{}`."""
+    set_model_state_dict(policy, model_state, options=dataclasses.replace(FROM_RANK0, strict=strict))
+    if optimizer is not None:
+        set_optimizer_state_dict(policy, optimizer, optim_state, options=FROM_RANK0)
+
+
+class RankGroup:
+    """Rank 0's command channel to the other ranks, and small-object collectives.
+
+    Only rank 0 talks to the outside world; the others loop on `recv` and run what rank 0 sends,
+    so every collective is entered in the same order on every rank. The commands are
+    ("step", reward weights) followed by a `scatter` of the sample shares, ("snapshot",),
+    ("checkpoint",), ("heartbeat",) and ("stop",).
+    """
+
+    def __init__(self, rank: int, world: int):
+        self.rank = rank
+        self.world = world
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def send(self, op: str, payload: Any = None) -> None:
+        if not self.is_leader:
+            raise RuntimeError("only rank 0 sends commands")
+        torch.distributed.broadcast_object_list([op, payload], src=0)
+
+    def recv(self) -> tuple[str, Any]:
+        message: list[Any] = [None, None]
+        torch.distributed.broadcast_object_list(message, src=0)
+        return message[0], message[1]
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        box = [obj if self.is_leader else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def scatter(self, objs: Sequence[Any] | None) -> Any:
+        """objs[r] to rank r (rank 0 passes the list, the others None)."""
+        out: list[Any] = [None]
+        torch.distributed.scatter_object_list(out, list(objs) if self.is_leader else None, src=0)
+        return out[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        out = [None] * self.world if self.is_leader else None
+        torch.distributed.gather_object(obj, out, dst=0)
+        return out
+
+
+CHECK_BATCHES = ("groups", "uneven")
+"""The check batches: "groups" = 2 GRPO groups of 4 short sequences (each rank gets 4, rows split
+to match); "uneven" = 3 sequences of 60, 50 and 40 tokens with rows of 64: rank 0 gets the 60 (one
+row, not splittable) and rank 1 the other two (two rows), so rank 0 runs a padding row."""
+
+
+def _check_batch(vocab_size: int, kind: str) -> list[Sample]:
+    import numpy as np
+
     from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages
-    from agentrl.learner.synthetic import make_group
+    from agentrl.learner.synthetic import make_group, make_trajectory
 
+    if kind == "uneven":
+        rng = np.random.default_rng(0)
+        layouts = [((30, 10), 1.0), ((25, 5), -1.0), ((16, 4), 0.5)]
+        trajs = [make_trajectory(prompt_len=8, turns=[first, (12, 0)], task_reward=r, group_id=f"u{i}",
+                                 vocab_size=vocab_size, rng=rng) for i, (first, r) in enumerate(layouts)]
+        return [Sample(t.group_id, 0, t, t.is_action.astype(np.float32) * t.task_reward) for t in trajs]
     groups = [make_group(f"g{i}", [1.0, 0.0, 0.5, 0.0], turns=[(6 + i, 3), (5, 0)], vocab_size=vocab_size, seed=i)
               for i in range(2)]
     advs = compute_advantages(groups, RewardWeights(), AdvantageConfig("grpo"))
@@ -88,8 +220,8 @@ def _check_batch(vocab_size: int):
             for t, a in zip(g.trajectories, ga, strict=True)]
 
 
-def run_check_step(rank: int, world: int) -> dict:
-    """One optimizer step on the fixed check batch; identical results expected for any world size."""
+def run_check_step(rank: int, world: int, batch: str = "groups") -> dict:
+    """One optimizer step on a fixed check batch; identical results expected for any world size."""
     from agentrl.learner.synthetic import tiny_llama
     from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig
 
@@ -99,7 +231,7 @@ def run_check_step(rank: int, world: int) -> dict:
         shard_policy(policy)
     config = TrainerConfig(precision="fp32", max_row_tokens=64, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0))
     trainer = Trainer(policy, config)
-    samples = _check_batch(vocab)
+    samples = _check_batch(vocab, batch)
     if world > 1:
         mbs = equalise_micro_batches(shard_samples(samples, rank, world), config.max_row_tokens)
     else:
@@ -109,17 +241,20 @@ def run_check_step(rank: int, world: int) -> dict:
     for name, p in sorted(policy.named_parameters()):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         checksum += float(full.detach().double().abs().sum()) * (1 + len(name) % 7)
+    num_padding = torch.tensor([sum(1 for mb in mbs if not mb.samples)])
+    if world > 1:
+        torch.distributed.all_reduce(num_padding)
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "num_action_tokens": stats.num_action_tokens,
-            "param_checksum": checksum, "world": world}
+            "param_checksum": checksum, "world": world, "num_padding_rows": int(num_padding)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="FSDP2 equivalence check (run under torchrun)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="JSON file: {batch name: result} for every check batch")
     args = parser.parse_args(argv)
     rank, world = init_distributed()
     try:
-        result = run_check_step(rank, world)
+        result = {batch: run_check_step(rank, world, batch) for batch in CHECK_BATCHES}
         if rank == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f)

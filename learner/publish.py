@@ -49,6 +49,22 @@ def snapshot_weights(causal_lm: nn.Module, dtype: torch.dtype = torch.bfloat16) 
     return out
 
 
+def snapshot_from_policy_state(policy_state: dict[str, torch.Tensor], *, tied: bool, prefix: str = "lm.",
+                               dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """`snapshot_weights` from a full `PackedPolicy` state dict (the sharded learner's gather):
+    the causal LM's entries under `prefix`, renamed to checkpoint names, in `dtype`, without the
+    tied LM head; the value head is the learner's own and is not sent."""
+    out = {}
+    for name, tensor in policy_state.items():
+        if not name.startswith(prefix):
+            continue
+        name = name[len(prefix):]
+        if tied and name == "lm_head.weight":
+            continue
+        out[name] = tensor.detach().to(dtype=dtype, copy=True)
+    return out
+
+
 class WeightPublisher:
     def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0):
         self.server_urls = list(server_urls)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -41,6 +42,17 @@ from agentrl.engine.rewards import RewardSchedule
 from agentrl.engine.trajectory import TrajectoryGroup
 from agentrl.learner.advantages import RewardWeights, compute_advantages, filter_groups
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches
+from agentrl.learner.distributed import (
+    RankGroup,
+    equalise_micro_batches,
+    full_state,
+    init_distributed,
+    launched_world_size,
+    load_full_state,
+    num_padding_rows,
+    shard_policy,
+    shard_samples,
+)
 from agentrl.learner.ledger import (
     Ledger,
     Spool,
@@ -50,8 +62,8 @@ from agentrl.learner.ledger import (
     set_rng_state,
 )
 from agentrl.learner.metrics import MetricsWriter
-from agentrl.learner.publish import WeightPublisher, snapshot_weights
-from agentrl.learner.trainer import Trainer, TrainerConfig, set_trainable
+from agentrl.learner.publish import WeightPublisher, snapshot_from_policy_state, snapshot_weights
+from agentrl.learner.trainer import StepStats, Trainer, TrainerConfig, set_trainable
 
 
 @dataclass
@@ -90,6 +102,10 @@ class LearnerConfig:
     kl_reference: bool = False
     """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0)."""
     seed: int = 0
+    dist_timeout_s: float = 600.0
+    """Under torchrun: the longest any collective may wait for another rank (s); a rank whose peer
+    died or hangs fails after at most this. Rank 0 sends a heartbeat every quarter of it while it
+    waits for data, so an idle learner does not trip it."""
     tensorboard: bool = True
     progress_bar: bool = True
 
@@ -106,6 +122,8 @@ class LearnerConfig:
             raise ValueError(f"mode={self.mode!r}: choose 'rl' or 'sft'")
         if self.trainer.loss.kl_coef > 0 and not self.kl_reference:
             raise ValueError("trainer.loss.kl_coef > 0 needs kl_reference = true")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s={self.dist_timeout_s} must be > 0")
 
 
 def load_config(path: str | Path) -> LearnerConfig:
@@ -122,8 +140,13 @@ def staleness_of(traj, version: int) -> np.ndarray:
 class Learner:
     """Wires receiver, trainer, publisher, ledger and metrics; drives them from `run`."""
 
-    def __init__(self, config: LearnerConfig):
+    def __init__(self, config: LearnerConfig, group: RankGroup | None = None):
         self.config = config
+        self.group = group
+        """None: one process. Otherwise this rank's place under torchrun (rank 0 runs `run`, the
+        others `follow`)."""
+        self.rank = group.rank if group is not None else 0
+        self._heartbeat_s = config.dist_timeout_s / 4 if group is not None else None
         self.out = Path(config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self._stop = asyncio.Event()
@@ -153,6 +176,9 @@ class Learner:
         value_head = cfg.trainer.advantage.estimator == "gae" and cfg.mode == "rl"
         policy = PackedPolicy(model, value_head=value_head, kernels=cfg.trainer.kernels,
                               compute_dtype=cfg.trainer.compute_dtype)
+        if self.group is not None:
+            # Before the optimizer exists, so that each rank's AdamW state covers its shard only.
+            shard_policy(policy)
         reference = None
         if cfg.kl_reference:
             ref_model = self._load_model().requires_grad_(False).eval()
@@ -160,6 +186,9 @@ class Learner:
         self.trainer = Trainer(policy, cfg.trainer, reference=reference)
 
     def _restore(self) -> None:
+        if self.group is not None:
+            self._restore_sharded()
+            return
         state = load_latest_checkpoint(self.out / "checkpoints")
         if state is None:
             if self.config.init_checkpoint:
@@ -185,12 +214,112 @@ class Learner:
         self.step = int(state["step"])
         print(f"learner: initialised from {checkpoints} (version {self.step})", file=sys.stderr)
 
-    def checkpoint(self) -> Path:
+    def _restore_sharded(self) -> None:
+        """`_restore` under torchrun (collective): rank 0 reads the checkpoint and broadcasts it.
+
+        Checkpoints are full (rank 0 gathers model and optimizer state; `checkpoint`), so a
+        resume must use the world size that wrote them: the optimizer state is stored by parameter
+        name here and by index in one process. A different world size fails with the fix."""
+        plan: dict[str, Any] = {"kind": "fresh"}
+        state: dict[str, Any] | None = None
+        if self.group.is_leader:
+            state = load_latest_checkpoint(self.out / "checkpoints")
+            if state is not None:
+                written_by = int(state.get("world_size", 1))
+                if written_by != self.group.world:
+                    plan = {"kind": "error", "message":
+                            f"the checkpoint in {self.out / 'checkpoints'} was written by {written_by} rank(s); this "
+                            f"learner runs {self.group.world}: resume with torchrun --nproc_per_node {written_by}"
+                            + (" (or without torchrun)" if written_by == 1 else "")
+                            + ", or start a new output_dir with init_checkpoint pointing at it (weights only)"}
+                else:
+                    plan = {"kind": "resume", "scheduler": state["scheduler"], "step": int(state["step"])}
+            elif self.config.init_checkpoint:
+                state = self._init_state(Path(self.config.init_checkpoint))
+                plan = {"kind": "init", "step": int(state["step"])}
+        plan = self.group.broadcast(plan)
+        if plan["kind"] == "error":
+            raise RuntimeError(plan["message"])
+        if plan["kind"] == "fresh":
+            return
+        leader = self.group.is_leader
+        if plan["kind"] == "init":
+            load_full_state(self.trainer.policy, state["policy"] if leader else {}, strict=False)
+        else:
+            load_full_state(self.trainer.policy, state["policy"] if leader else {},
+                            self.trainer.optimizer, state["optimizer"] if leader else {})
+            self.trainer.scheduler.load_state_dict(plan["scheduler"])
+            set_rng_state(self.group.scatter(state["rng_ranks"] if leader else None))
+            if leader:
+                self.ledger = Ledger.from_dict(state["ledger"])
+        self.step = plan["step"]
+        if leader:
+            how = "resumed from checkpoint" if plan["kind"] == "resume" else "initialised from init_checkpoint"
+            print(f"learner: {how} at step {self.step} on {self.group.world} ranks "
+                  f"({len(self.ledger.trained)} groups trained, {len(self.ledger.rejected)} rejected)", file=sys.stderr)
+
+    def _init_state(self, checkpoints: Path) -> dict[str, Any]:
+        """The policy weights (value head dropped) and version of another learner's latest checkpoint."""
+        state = load_latest_checkpoint(checkpoints)
+        if state is None:
+            raise FileNotFoundError(f"init_checkpoint {checkpoints} holds no checkpoint")
+        policy = {k: v for k, v in state["policy"].items() if not k.startswith("value_head.")}
+        expected = {k for k in self.trainer.policy.state_dict() if not k.startswith("value_head.")}
+        if set(policy) != expected:
+            raise ValueError(f"init_checkpoint {checkpoints} does not fit this model: missing "
+                             f"{sorted(expected - set(policy))[:5]}, unexpected {sorted(set(policy) - expected)[:5]}")
+        return {"policy": policy, "step": int(state["step"])}
+
+    def _lead(self, op: str, payload: Any = None) -> None:
+        """Rank 0: tell the other ranks to enter the collective `op` with it. No-op elsewhere."""
+        if self.group is not None and self.group.is_leader:
+            self.group.send(op, payload)
+
+    def _snapshot(self) -> dict[str, torch.Tensor] | None:
+        """The weights to publish (bf16, checkpoint names); collective under torchrun, None off rank 0."""
+        if self.group is None:
+            return snapshot_weights(self.model)
+        self._lead("snapshot")
+        policy_state, _ = full_state(self.trainer.policy)
+        if not self.group.is_leader:
+            return None
+        return snapshot_from_policy_state(policy_state, tied=bool(getattr(self.model.config, "tie_word_embeddings", False)))
+
+    def checkpoint(self) -> Path | None:
+        if self.group is not None:
+            return self._checkpoint_sharded()
         state = {
             "policy": self.trainer.policy.state_dict(),
             "optimizer": self.trainer.optimizer.state_dict(),
             "scheduler": self.trainer.scheduler.state_dict(),
             "rng": rng_state(),
+            "step": self.step,
+            "version": self.step,
+            "ledger": self.ledger.to_dict(),
+        }
+        path = save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.config.keep_checkpoints)
+        self.spool.remove([gid for gid in self.spool.pending() if gid in self.ledger])
+        return path
+
+    def _checkpoint_sharded(self) -> Path | None:
+        """Full checkpoint under torchrun (collective), written by rank 0 in the one-process layout
+        plus `world_size` and every rank's RNG state. Full rather than sharded (one file per rank):
+        the policies trained here (135M parameters: 0.5 GB of weights, 1 GB of AdamW state in fp32)
+        fit one host's memory, the checkpoint stays one atomic folder with the ledger beside the
+        weights, and the policy state keeps the one-process keys (an init_checkpoint works across
+        world sizes). A sharded save would only pay off for models that do not fit rank 0's RAM."""
+        self._lead("checkpoint")
+        policy_state, optim_state = full_state(self.trainer.policy, self.trainer.optimizer)
+        rngs = self.group.gather(rng_state())
+        if not self.group.is_leader:
+            return None
+        state = {
+            "policy": policy_state,
+            "optimizer": optim_state,
+            "scheduler": self.trainer.scheduler.state_dict(),
+            "rng": rngs[0],
+            "rng_ranks": rngs,
+            "world_size": self.group.world,
             "step": self.step,
             "version": self.step,
             "ledger": self.ledger.to_dict(),
@@ -223,7 +352,11 @@ class Learner:
         while num_tokens < self.config.tokens_per_step:
             getter = asyncio.ensure_future(self._next_group())
             stopper = asyncio.ensure_future(self._stop.wait())
-            done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({getter, stopper}, timeout=self._heartbeat_s, return_when=asyncio.FIRST_COMPLETED)
+            while not done:  # only under torchrun: the other ranks wait in a collective with a timeout
+                self._lead("heartbeat")
+                done, _ = await asyncio.wait({getter, stopper}, timeout=self._heartbeat_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
             if getter not in done:
                 getter.cancel()
@@ -309,14 +442,13 @@ class Learner:
         record: dict[str, Any] = {"version": self.step + 1, "time/wait_s": wait_s, **report,
                                   **self._reward_metrics(groups, weights)}
         if samples:
-            mbs = build_micro_batches(samples, cfg.trainer.max_row_tokens)
-            step_fn = self.trainer.sft_step if cfg.mode == "sft" else self.trainer.rl_step
-            args = (mbs,) if cfg.mode == "sft" else (mbs, weights)
-            stats = await asyncio.to_thread(step_fn, *args)
+            stats, num_micro_batches = await asyncio.to_thread(self._run_step, samples, weights)
+            # From the samples rather than the stats: under torchrun those count padding rows too.
+            num_tokens, num_seqs = sum(s.num_tokens for s in samples), len(samples)
             record.update({
                 "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                "tokens": stats.num_tokens, "action_tokens": stats.num_action_tokens, "sequences": stats.num_seqs,
-                "micro_batches": len(mbs), "time/compute_s": stats.compute_s,
+                "tokens": num_tokens, "action_tokens": stats.num_action_tokens, "sequences": num_seqs,
+                "micro_batches": num_micro_batches, "time/compute_s": stats.compute_s,
                 "tokens_per_s": stats.num_tokens / stats.compute_s,
                 **{f"loss/{k}": v for k, v in stats.kernel_stats.items()},
             })
@@ -334,8 +466,8 @@ class Learner:
         record["rejected_group_ids"], self._unreported_rejected = self._unreported_rejected, []
         t0 = time.perf_counter()
         if cfg.publish_every and self.step % cfg.publish_every == 0:
-            snapshot = await asyncio.to_thread(snapshot_weights, self.model)
-            record["time/publish_wait_prev_s"] = await self.publisher.publish(self.step, snapshot)
+            snapshot = await asyncio.to_thread(self._snapshot)
+            record["time/publish_wait_prev_s"] = await self._keepalive(self.publisher.publish(self.step, snapshot))
             record["time/publish_stall_s"] = time.perf_counter() - t0  # snapshot + wait for the previous push
             if self.publisher.reports:
                 last = self.publisher.reports[-1]
@@ -349,6 +481,50 @@ class Learner:
             self.checkpoint()
             record["time/checkpoint_s"] = time.perf_counter() - t1
         self.metrics.write(self.step, record)
+
+    def _run_step(self, samples: list[Sample] | None, weights: RewardWeights) -> tuple[StepStats, int]:
+        """One optimizer step; (stats, micro-batches per rank). Collective under torchrun: rank 0
+        passes the whole batch and sends each rank its share, the others pass None."""
+        cfg = self.config
+        max_row_tokens = cfg.trainer.max_row_tokens
+        if self.group is None:
+            mbs = build_micro_batches(samples, max_row_tokens)
+        else:
+            shares = None
+            if self.group.is_leader:
+                shares = [shard_samples(samples, r, self.group.world) for r in range(self.group.world)]
+                self._check_padding(shares)
+                self._lead("step", weights)
+            mbs = equalise_micro_batches(self.group.scatter(shares), max_row_tokens)
+        stats = self.trainer.sft_step(mbs) if cfg.mode == "sft" else self.trainer.rl_step(mbs, weights)
+        return stats, len(mbs)
+
+    def _check_padding(self, shares: list[list[Sample]]) -> None:
+        """Padding rows (a rank with fewer sequences than another rank's rows) are exact for the
+        token-mean and constant aggregations and for SFT; 'seq_mean' would count each as a sequence
+        and GAE's value loss is undefined on zero tokens, so those fail here, before any rank moves."""
+        cfg = self.config.trainer
+        if self.config.mode == "sft" or (cfg.loss.agg != "seq_mean" and cfg.advantage.estimator != "gae"):
+            return
+        num_padding = num_padding_rows(shares, cfg.max_row_tokens)
+        if num_padding:
+            raise ValueError(
+                f"this batch leaves a rank with fewer sequences than another rank's micro-batches ({num_padding} "
+                f"padding rows needed), which loss.agg={cfg.loss.agg!r} / advantage.estimator="
+                f"{cfg.advantage.estimator!r} cannot take under torchrun: raise tokens_per_step or max_row_tokens, "
+                "use fewer ranks, or loss.agg = 'token_mean'")
+
+    async def _keepalive(self, awaitable):
+        """Await something slow on rank 0 (a push, a server query) while the other ranks wait in a
+        collective: a heartbeat every `dist_timeout_s / 4` keeps them within their timeout."""
+        task = asyncio.ensure_future(awaitable)
+        if self.group is None:
+            return await task
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self._heartbeat_s)
+            if done:
+                return task.result()
+            self._lead("heartbeat")
 
     async def _served_version(self) -> int:
         """The oldest version the servers serve now: after a restart or an init from another
@@ -381,19 +557,20 @@ class Learner:
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
         await self.receiver.start()
-        served = await self._served_version() if cfg.server_urls else 0
+        served = await self._keepalive(self._served_version()) if cfg.server_urls else 0
         if self.publisher is not None:
             self.publisher.served_version = served
             if served != self.step:
                 # The servers hold weights this lineage does not own: pushed after the checkpoint we
                 # resumed from (lost with a kill -9), or the weights before an init from SFT. Serve ours.
-                await self.publisher.publish(self.step, await asyncio.to_thread(snapshot_weights, self.model))
-                await self.publisher.wait()
+                await self.publisher.publish(self.step, await asyncio.to_thread(self._snapshot))
+                await self._keepalive(self.publisher.wait())
                 served = self.step
         if self.version_pub is not None:
             await self.version_pub.start()
             await self.version_pub.publish(self.step, served)
-        print(f"READY learner step={self.step} replay={len(self._replay)} endpoint={cfg.group_endpoint}",
+        ranks = f" ranks={self.group.world}" if self.group is not None else ""
+        print(f"READY learner step={self.step} replay={len(self._replay)} endpoint={cfg.group_endpoint}{ranks}",
               file=sys.stderr, flush=True)
         try:
             while self.step < cfg.max_steps and not self._stop.is_set():
@@ -404,7 +581,8 @@ class Learner:
                 await self._train_step(groups, time.perf_counter() - t_wait)
             self.checkpoint()
             if self.publisher is not None:
-                await self.publisher.close()
+                await self._keepalive(self.publisher.close())
+            self._lead("stop")  # last: a heartbeat after it would wait for ranks that have left
         finally:
             self.metrics.close()
             await self.receiver.close()
@@ -412,6 +590,37 @@ class Learner:
                 await self.version_pub.close()
         print(f"learner: stopped at step {self.step}", file=sys.stderr, flush=True)
         return 0
+
+    def follow(self) -> int:
+        """The loop of a rank other than 0 under torchrun: build the same sharded trainer, restore
+        with rank 0, then run the collectives rank 0 announces until it sends "stop".
+
+        SIGTERM/SIGINT are deferred to rank 0: torchrun forwards a SIGTERM to every rank at once,
+        and rank 0 needs the others alive to gather the checkpoint it writes before stopping. If
+        rank 0 is gone instead, the next collective fails (connection closed, or `dist_timeout_s`)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._defer_signal)
+        self._build_trainer()
+        self._restore()
+        commands = {
+            "heartbeat": lambda payload: None,
+            "step": lambda weights: self._run_step(None, weights),
+            "snapshot": lambda payload: self._snapshot(),
+            "checkpoint": lambda payload: self.checkpoint(),
+        }
+        while True:
+            op, payload = self.group.recv()
+            if op == "stop":
+                break
+            if op not in commands:
+                raise RuntimeError(f"rank {self.rank}: unknown command {op!r} from rank 0")
+            commands[op](payload)
+        print(f"learner rank {self.rank}: stopped at rank 0's request", file=sys.stderr, flush=True)
+        return 0
+
+    def _defer_signal(self, signum: int, frame: Any) -> None:
+        print(f"learner rank {self.rank}: {signal.Signals(signum).name} received; rank 0 decides when to stop",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -423,4 +632,12 @@ def main(argv: list[str]) -> int:
     except (ValueError, TypeError, OSError, tomllib.TOMLDecodeError) as err:
         print(f"agentrl learner: bad config: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(Learner(config).run())
+    if launched_world_size() == 1:
+        return asyncio.run(Learner(config).run())
+    rank, world = init_distributed(config.dist_timeout_s)
+    print(f"learner rank {rank}/{world} pid {os.getpid()}", file=sys.stderr, flush=True)
+    learner = Learner(config, RankGroup(rank, world))
+    try:
+        return asyncio.run(learner.run()) if rank == 0 else learner.follow()
+    finally:
+        torch.distributed.destroy_process_group()

@@ -1,4 +1,5 @@
-"""FSDP2 under torchrun: two CPU processes (gloo) take the same optimizer step as one process."""
+"""FSDP2 under torchrun: two CPU processes (gloo) take the same optimizer step as one process,
+on an even batch and on one where a rank must run a padding micro-batch."""
 
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from agentrl.learner.distributed import run_check_step
+from agentrl.learner.distributed import CHECK_BATCHES, run_check_step
 
 
 def _free_port() -> int:
@@ -19,7 +20,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_fsdp2_two_processes_match_one_process(tmp_path):
-    single = run_check_step(rank=0, world=1)
+    single = {batch: run_check_step(rank=0, world=1, batch=batch) for batch in CHECK_BATCHES}
     out = tmp_path / "fsdp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     proc = subprocess.run(
@@ -28,10 +29,14 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sharded = json.loads(out.read_text())
-    assert sharded["world"] == 2
-    assert sharded["num_action_tokens"] == single["num_action_tokens"]
-    assert sharded["loss"] == pytest.approx(single["loss"], rel=1e-5, abs=1e-7)
-    assert sharded["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
-    # The parameters after the AdamW step (lr 1e-2, so a wrong gradient would show).
-    assert sharded["param_checksum"] == pytest.approx(single["param_checksum"], rel=1e-6)
+    results = json.loads(out.read_text())
+    assert results["groups"]["num_padding_rows"] == 0
+    assert results["uneven"]["num_padding_rows"] == 1  # rank 0's one long sequence against rank 1's two rows
+    for batch in CHECK_BATCHES:
+        sharded, one = results[batch], single[batch]
+        assert sharded["world"] == 2
+        assert sharded["num_action_tokens"] == one["num_action_tokens"]
+        assert sharded["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7), batch
+        assert sharded["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), batch
+        # The parameters after the AdamW step (lr 1e-2, so a wrong gradient would show).
+        assert sharded["param_checksum"] == pytest.approx(one["param_checksum"], rel=1e-6), batch
