@@ -7,6 +7,7 @@ actor/stats.jsonl), so it can be regenerated after the fact: `python -m agentrl.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,6 +39,25 @@ def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
+
+
+def _eval_records(run: Path, label: str, summary: dict) -> dict[str, float]:
+    path = run / "evals" / f"{label}-v{summary.get('served_version')}.jsonl"
+    return {r["task_id"]: r["em"] for r in _jsonl(path)}
+
+
+def paired_comparison(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """Questions answered right by one policy and wrong by the other, and the exact two-sided sign
+    test on those discordant pairs (the questions both get right or both get wrong carry no
+    information about which is better). None when the two evaluations share no question."""
+    common = sorted(set(before) & set(after))
+    if not common:
+        return None
+    gained = sum(after[q] > before[q] for q in common)
+    lost = sum(after[q] < before[q] for q in common)
+    n = gained + lost
+    tail = sum(math.comb(n, k) for k in range(min(gained, lost) + 1)) / 2**n if n else 1.0
+    return {"n": len(common), "gained": gained, "lost": lost, "p_value": min(1.0, 2 * tail)}
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -99,6 +119,11 @@ def write_report(run_dir: str | Path) -> Path:
         lines += ["", f"EM gain over Base Tool Call: **{phases['final']['em'] - base['base_tool_call']['em']:+.3f}**"]
     if phases.get("sft") and phases.get("final"):
         lines.append(f"EM gain of the RL phase over the SFT-only checkpoint: **{phases['final']['em'] - phases['sft']['em']:+.3f}**")
+        paired = paired_comparison(_eval_records(run, "sft", phases["sft"]), _eval_records(run, "final", phases["final"]))
+        if paired:
+            lines.append(f"Question by question (same {paired['n']} held-out questions): RL right where SFT was wrong "
+                         f"{paired['gained']}, SFT right where RL is wrong {paired['lost']}; exact two-sided sign test "
+                         f"p = {paired['p_value']:.3g}.")
     if rl:
         total_wait = sum(r.get("time/wait_s", 0) for r in rl)
         total_compute = sum(r.get("time/compute_s", 0) for r in rl)

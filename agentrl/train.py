@@ -382,9 +382,17 @@ class Supervisor:
         tmp.write_text(json.dumps(self.phases, indent=1))
         os.replace(tmp, self.phases_path)
 
-    def _log_eval(self, summary: dict) -> None:
+    def _log_eval(self, summary: dict, trajectories: list | None = None) -> None:
         with open(self.out / "evals.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
+        if trajectories is not None:  # per question, so the report can pair two evaluations question by question
+            folder = self.out / "evals"
+            folder.mkdir(exist_ok=True)
+            name = f"{summary['label']}-v{summary['served_version']}.jsonl"
+            with open(folder / name, "w") as f:
+                for t in sorted(trajectories, key=lambda t: t.task_id):
+                    f.write(json.dumps({"task_id": t.task_id, "em": t.metrics.get("em", 0.0), "f1": t.metrics.get("f1", 0.0),
+                                        "status": t.status}) + "\n")
         print(f"[eval {summary['label']}] EM {summary['em']:.3f}  F1 {summary['f1']:.3f}  n={summary['n']} "
               f"(served version {summary['served_version']}, {summary['eval_s']:.0f} s)", flush=True)
 
@@ -478,7 +486,7 @@ class Supervisor:
             self.conn = conn
             if "baseline" not in self.phases:
                 summary, trajs = await evaluate(conn, self.heldout, "base_tool_call")
-                self._log_eval(summary)
+                self._log_eval(summary, trajs)
                 _write_sample(self.out / "trajectories_base.jsonl", trajs[:8], conn.chat)
                 result = {"base_tool_call": summary}
                 if cfg.eval.naive_rag:
@@ -490,7 +498,7 @@ class Supervisor:
             if "rl" not in self.phases:
                 await self._rl_phase()
             summary, trajs = await evaluate(conn, self.heldout, "final")
-            self._log_eval(summary)
+            self._log_eval(summary, trajs)
             _write_sample(self.out / "trajectories_final.jsonl", trajs[:8], conn.chat)
             self._phase_done("final", summary)
         return self.phases
@@ -542,8 +550,8 @@ class Supervisor:
         rc = learner.poll()
         if rc != 0:
             raise RuntimeError(f"SFT learner exited with {rc}; log {learner.log_path}:\n{learner.log_tail()}")
-        summary, _ = await evaluate(self.conn, self.heldout, "sft")
-        self._log_eval(summary)
+        summary, trajs = await evaluate(self.conn, self.heldout, "sft")
+        self._log_eval(summary, trajs)
         self._phase_done("sft", {**summary, "sft_s": time.perf_counter() - t0, "steps": cfg.sft.steps, "epochs_streamed": epoch})
 
     async def _rl_phase(self) -> None:
@@ -589,8 +597,8 @@ class Supervisor:
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
                 if time.monotonic() >= next_eval and time.monotonic() + self._final_eval_reserve_s() < rl_end:
-                    summary, _ = await evaluate(self.conn, self.heldout, "rl")
-                    self._log_eval(summary)
+                    summary, trajs = await evaluate(self.conn, self.heldout, "rl")
+                    self._log_eval(summary, trajs)
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:
             # In threads: the event loop must keep answering the tool services' heartbeats.
@@ -755,6 +763,17 @@ def main(argv: list[str]) -> int:
         "report": str(report),
         "out": str(out),
     }
+    if "sft" in phases:
+        from agentrl.report import paired_comparison
+
+        def records(label: str) -> dict:
+            path = out / "evals" / f"{label}-v{phases[label]['served_version']}.jsonl"
+            return {r["task_id"]: r["em"] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+
+        paired = paired_comparison(records("sft"), records("final"))
+        if paired:
+            summary |= {"rl_vs_sft_gained": paired["gained"], "rl_vs_sft_lost": paired["lost"],
+                        "rl_vs_sft_p_value": round(paired["p_value"], 4)}
     print(json.dumps(summary))
     return 0
 

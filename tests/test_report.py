@@ -1,0 +1,34 @@
+"""The report's question-by-question comparison of two held-out evaluations."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentrl.report import paired_comparison, write_report
+
+
+def test_paired_comparison_counts_discordant_questions_and_sign_test():
+    before = {"a": 0.0, "b": 1.0, "c": 0.0, "d": 0.0, "e": 1.0}
+    after = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "e": 0.0, "only-after": 1.0}
+    result = paired_comparison(before, after)
+    # 5 shared questions; a and c gained, e lost: n = 3 discordant, P(X <= 1 | Bin(3, 1/2)) = 4/8, two-sided 1.0
+    assert result == {"n": 5, "gained": 2, "lost": 1, "p_value": 1.0}
+    ten_gains = paired_comparison({str(i): 0.0 for i in range(10)}, {str(i): 1.0 for i in range(10)})
+    assert ten_gains["gained"] == 10 and ten_gains["p_value"] == pytest.approx(2 / 2**10)
+    assert paired_comparison({"a": 1.0}, {"b": 1.0}) is None
+
+
+def test_report_states_the_paired_comparison(tmp_path):
+    phases = {"baseline": {"base_tool_call": {"em": 0.0, "f1": 0.0, "n": 4, "served_version": 0}},
+              "sft": {"em": 0.25, "f1": 0.25, "n": 4, "served_version": 12},
+              "final": {"em": 0.75, "f1": 0.75, "n": 4, "served_version": 30}}
+    (tmp_path / "phases.json").write_text(json.dumps(phases))
+    (tmp_path / "evals").mkdir()
+    for label, version, ems in (("sft", 12, [1, 0, 0, 0]), ("final", 30, [1, 1, 1, 0])):
+        (tmp_path / "evals" / f"{label}-v{version}.jsonl").write_text(
+            "".join(json.dumps({"task_id": f"q{i}", "em": float(em)}) + "\n" for i, em in enumerate(ems)))
+    text = write_report(tmp_path).read_text()
+    assert "EM gain of the RL phase over the SFT-only checkpoint: **+0.500**" in text
+    assert "RL right where SFT was wrong 2, SFT right where RL is wrong 0" in text and "p = 0.5" in text
