@@ -61,6 +61,12 @@ def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch_version": torch.__version__, "git_commit": commit, "python": platform.python_version()}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of another process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def spread(values: list[float]) -> float:
     return (max(values) - min(values)) if values else 0.0
 
@@ -99,20 +105,29 @@ async def capacity(model_dir: str, num_prompts: int, group_size: int, num_runs: 
         async def sink(group):
             pass
 
-        rates, cpu_us = [], []
+        rates, cpu_us, server_cpu_us = [], [], []
         async with ServerPool([f"http://127.0.0.1:{port}"]) as pool:
+            # Run 0 is the warm-up, at full size so that the measured runs find the connection pool
+            # (one keep-alive connection per episode in flight) already open, as a long run does.
             for run in range(num_runs + 1):
                 orch = Orchestrator(env, pool.generate, sink, config)
-                cpu0, wall0 = time.process_time(), time.perf_counter()
-                stats = await orch.run(tasks if run else tasks[: max(num_prompts // 8, 1)])  # run 0: warm-up
+                server0, cpu0, wall0 = process_cpu_s(server.pid), time.process_time(), time.perf_counter()
+                stats = await orch.run(tasks)
                 wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+                server_cpu = process_cpu_s(server.pid) - server0
+                if stats.num_episodes_failed:
+                    raise RuntimeError(f"{stats.num_episodes_failed} episodes failed in the capacity run")
                 if run:
                     rates.append(stats.num_turns / wall)
                     cpu_us.append(cpu / stats.num_turns * 1e6)
+                    server_cpu_us.append(server_cpu / stats.num_turns * 1e6)
                     print(f"capacity run {run}: {stats.num_turns} turns in {wall:.2f} s = {rates[-1]:.0f} turns/s, "
-                          f"{cpu_us[-1]:.0f} CPU us/turn", file=sys.stderr)
+                          f"{cpu_us[-1]:.0f} CPU us/turn (stand-in server: {server_cpu_us[-1]:.0f} us/turn); "
+                          f"load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
         return {"capacity_turns_per_s": round(statistics.median(rates), 1), "capacity_turns_per_s_spread": round(spread(rates), 1),
                 "cpu_us_per_turn": round(statistics.median(cpu_us), 1), "cpu_us_per_turn_spread": round(spread(cpu_us), 1),
+                "capacity_turns_per_cpu_s": round(1e6 / statistics.median(cpu_us), 1),
+                "standin_server_cpu_us_per_turn": round(statistics.median(server_cpu_us), 1),
                 "capacity_concurrent_episodes": num_prompts * group_size}
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -23,8 +23,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 
 DEFAULT_VERSION_LABEL = "default"
+
+# The request body is encoded and the answer decoded with msgspec: for a 700-id prompt the stdlib
+# `json.dumps` took ~70 us per request and was the largest single cost per turn in the orchestrator
+# capacity profile (msgspec: ~5 us); a typed decode of a 40-token answer with its log-probs takes
+# ~12 us against ~46 us for `json.loads`.
+_ENCODER = msgspec.json.Encoder()
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class _LogprobEntry(msgspec.Struct):
+    logprob: float
+    token_id: int | str | None = None
+    """The sampled id (a string in vLLM's text output mode)."""
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_LogprobEntry] | None = None
+
+
+class _VersionSpan(msgspec.Struct):
+    start: int
+    end: int
+    version: str
+
+
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    logprobs: _Logprobs | None = None
+    finish_reason: str | None = None
+    weight_versions: list[_VersionSpan] | None = None
+    text: str | None = None
+
+
+class _GenerateResponse(msgspec.Struct):
+    choices: list[_Choice]
+
+
+_GENERATE_DECODER = msgspec.json.Decoder(_GenerateResponse)
 
 
 class InferenceServerError(RuntimeError):
@@ -96,7 +135,10 @@ class VLLMClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+            # No cookies and no response decompression: the server sends neither, and the cookie jar
+            # is consulted on every request otherwise.
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout,
+                                                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
         return self._session
 
     async def close(self) -> None:
@@ -104,17 +146,17 @@ class VLLMClient:
             await self._session.close()
             self._session = None
 
-    async def _request(self, method: str, path: str, *, json_body=None, params=None, timeout_s: float | None = None):
+    async def _request(self, method: str, path: str, *, body: bytes | None = None, timeout_s: float | None = None) -> bytes:
+        """The answer's body; HTTP errors raise InferenceServerError, transport failures InferenceServerUnavailable."""
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._timeout.sock_connect) if timeout_s else None
         try:
-            async with self._http().request(method, url, json=json_body, params=params, timeout=timeout) as resp:
+            async with self._http().request(method, url, data=body, headers=_JSON_HEADERS if body is not None else None,
+                                            timeout=timeout) as resp:
+                data = await resp.read()
                 if resp.status >= 400:
-                    text = await resp.text()
-                    raise InferenceServerError(f"{method} {url} -> HTTP {resp.status}: {text[:500]}")
-                if resp.content_type == "application/json":
-                    return await resp.json()
-                return await resp.text()
+                    raise InferenceServerError(f"{method} {url} -> HTTP {resp.status}: {data[:500].decode(errors='replace')}")
+                return data
         except (TimeoutError, aiohttp.ClientConnectionError) as err:
             raise InferenceServerUnavailable(f"{method} {url} failed: {type(err).__name__}: {err}") from err
 
@@ -126,29 +168,34 @@ class VLLMClient:
             "logprobs": 0,
         }
         if params.stop_token_ids:
-            sampling["stop_token_ids"] = list(params.stop_token_ids)
+            sampling["stop_token_ids"] = params.stop_token_ids
         if params.seed is not None:
             sampling["seed"] = params.seed
         if params.ignore_eos:
             sampling["ignore_eos"] = True
-        body = {"token_ids": list(prompt_ids), "sampling_params": sampling, "stream": False}
+        # The prompt list is encoded as it is (no copy): it is O(prompt length) to send and should be
+        # O(1) Python work besides.
+        body = {"token_ids": prompt_ids, "sampling_params": sampling, "stream": False}
         if return_text:
             body["output_mode"] = "text"
-        data = await self._request("POST", "/inference/v1/generate", json_body=body)
-        choice = data["choices"][0]
-        token_ids = choice["token_ids"] or []
-        content = (choice.get("logprobs") or {}).get("content") or []
+        try:
+            payload = _ENCODER.encode(body)
+        except TypeError as err:
+            raise InferenceServerError(f"cannot encode the request (prompt ids must be ints): {err}") from err
+        data = await self._request("POST", "/inference/v1/generate", body=payload)
+        try:
+            choice = _GENERATE_DECODER.decode(data).choices[0]
+        except (msgspec.ValidationError, msgspec.DecodeError, IndexError) as err:
+            raise InferenceServerError(f"unexpected answer from {self.base_url}/inference/v1/generate: {err}: {data[:300]!r}") from err
+        token_ids = choice.token_ids or []
+        content = (choice.logprobs.content if choice.logprobs is not None else None) or []
         if len(content) != len(token_ids):
             raise InferenceServerError(f"server returned {len(token_ids)} ids but {len(content)} log-probs")
-        logprobs = []
-        for tok, entry in zip(token_ids, content, strict=True):
-            if not return_text and entry["token_id"] != tok:
-                raise InferenceServerError("log-prob entries do not line up with the sampled ids")
-            logprobs.append(float(entry["logprob"]))
-        versions = _expand_versions(choice.get("weight_versions"), len(token_ids))
-        return Generation(
-            token_ids, logprobs, choice.get("finish_reason") or "stop", versions, self.base_url, choice.get("text")
-        )
+        if not return_text and any(entry.token_id != tok for entry, tok in zip(content, token_ids, strict=True)):
+            raise InferenceServerError("log-prob entries do not line up with the sampled ids")
+        logprobs = [entry.logprob for entry in content]
+        versions = _expand_versions(choice.weight_versions, len(token_ids))
+        return Generation(token_ids, logprobs, choice.finish_reason or "stop", versions, self.base_url, choice.text)
 
     async def health(self) -> bool:
         try:
@@ -159,19 +206,23 @@ class VLLMClient:
 
     async def weight_version(self) -> int:
         data = await self._request("GET", "/weight_info", timeout_s=10.0)
-        return parse_version(data["weight_version"])
+        try:
+            return parse_version(msgspec.json.decode(data)["weight_version"])
+        except (msgspec.DecodeError, KeyError, TypeError) as err:
+            raise InferenceServerError(f"unexpected /weight_info answer from {self.base_url}: {data[:300]!r}") from err
 
 
-def _expand_versions(spans: list[dict] | None, num_tokens: int) -> list[int]:
+def _expand_versions(spans: list[_VersionSpan] | None, num_tokens: int) -> list[int]:
     if num_tokens == 0:
         return []
     if not spans:
         raise InferenceServerError("server returned no weight-version spans (is it an agentrl-started vLLM server?)")
+    if len(spans) == 1 and spans[0].start == 0 and spans[0].end == num_tokens:  # the usual case: one version per turn
+        return [parse_version(spans[0].version)] * num_tokens
     versions = [-1] * num_tokens
     for span in spans:
-        v = parse_version(span["version"])
-        for i in range(span["start"], span["end"]):
-            versions[i] = v
-    if -1 in versions:
+        v = parse_version(span.version)
+        versions[span.start:span.end] = [v] * (span.end - span.start)
+    if len(versions) != num_tokens or -1 in versions:
         raise InferenceServerError(f"weight-version spans {spans} do not cover all {num_tokens} tokens")
     return versions
