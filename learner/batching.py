@@ -76,6 +76,9 @@ class MicroBatch:
     """int64 in [0, num_seqs): which sequence of this row the token belongs to."""
     num_seqs: int
     samples: list[Sample]
+    shared_prefix_len: int = 0
+    """Tokens every sequence of the row starts with (system prompt, worked example, and for a GRPO
+    group the question), at most each sequence's length - 1; see `PackedPolicy.forward`."""
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +133,7 @@ def build_micro_batches(
             seq_ids.append(np.full(action_T.shape[0], s_idx, dtype=np.int64))
             offset += num_tokens
         out.append(MicroBatch(
+            shared_prefix_len=_shared_prefix_len([s.trajectory.token_ids for s in row_samples]),
             input_ids_L=torch.from_numpy(np.concatenate(ids)),
             position_ids_L=torch.from_numpy(np.concatenate(pos)),
             gather_idx_N=torch.from_numpy(np.concatenate(gather)),
@@ -144,24 +148,48 @@ def build_micro_batches(
     return out
 
 
+def _shared_prefix_len(token_ids: Sequence[np.ndarray]) -> int:
+    """Length of the token prefix all sequences share, capped so every sequence keeps >= 1 token."""
+    if len(token_ids) < 2:
+        return 0
+    first = token_ids[0]
+    shared = min(len(t) for t in token_ids) - 1
+    for other in token_ids[1:]:
+        differs = np.flatnonzero(first[:shared] != other[:shared])
+        if differs.size:
+            shared = int(differs[0])
+    return max(shared, 0)
+
+
 PACKED_ATTENTION = "agentrl_packed"
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, position_ids=None, **kwargs):
-    """Causal attention per sequence of a packed row; query [1, Hq, L, D], key/value [1, Hkv, L, D].
+    """Causal attention per sequence of a packed row; query [1, Hq, L, D], key/value [1, Hkv, P + L, D].
 
-    Sequences start where the position ids restart at 0 (module docstring). Returns [1, L, Hq, D].
+    Sequences start where the position ids stop counting up by one (module docstring). P > 0 when
+    the keys begin with a shared prefix every sequence continues (the prefix pass of
+    `PackedPolicy.forward`): each sequence then attends to all P prefix keys and causally to its own.
+    Returns [1, L, Hq, D].
     """
     if position_ids is None or query.shape[0] != 1:
         raise ValueError("agentrl_packed attention needs one packed row with its position_ids")
     length = query.shape[2]
-    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() + [length]
+    prefix = key.shape[2] - length
+    pos = position_ids[0]
+    starts = [0, *((pos[1:] != pos[:-1] + 1).nonzero()[:, 0] + 1).tolist(), length]
     enable_gqa = query.shape[1] != key.shape[1]
-    outs = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                       scale=scaling, dropout_p=dropout, enable_gqa=enable_gqa)
-        for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a
-    ]
+    outs = []
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        if prefix == 0:
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                                       scale=scaling, dropout_p=dropout, enable_gqa=enable_gqa))
+            continue
+        keys = torch.cat([key[:, :, :prefix], key[:, :, prefix + a:prefix + b]], dim=2)
+        values = torch.cat([value[:, :, :prefix], value[:, :, prefix + a:prefix + b]], dim=2)
+        visible = torch.ones(b - a, prefix + b - a, dtype=torch.bool, device=query.device).tril(diagonal=prefix)
+        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], keys, values, attn_mask=visible,
+                                                   scale=scaling, dropout_p=dropout, enable_gqa=enable_gqa))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -214,12 +242,30 @@ class PackedPolicy(nn.Module):
         targets_N: torch.Tensor,
         temperature: float = 1.0,
         with_entropy: bool = True,
+        shared_prefix_len: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(logprobs_N float32, entropy_N or None, values_N or None) for the gathered positions."""
+        """(logprobs_N float32, entropy_N or None, values_N or None) for the gathered positions.
+
+        `shared_prefix_len` P > 0 (MicroBatch.shared_prefix_len: every sequence of the row starts
+        with the same P tokens) lets the frozen bottom of the network see those P tokens once instead
+        of once per sequence: when the embedding and the bottom k decoder layers do not train, their
+        output for the shared prefix is the same in every sequence and nothing needs its gradient.
+        So the prefix runs alone through the k frozen layers (keeping its keys and values), the rest
+        of every sequence runs packed through them attending to those prefix keys, and the
+        trainable top layers get the full row with the prefix's hidden states copied into each
+        sequence: the same numbers as the plain forward (tests/test_learner_trainer.py), with the
+        frozen layers' work cut by (S - 1) x P tokens. With the default CPU recipe (top 8 of 30
+        layers train; a ~420-token prompt shared by sequences of ~650) that is about 45% of the
+        frozen layers' tokens."""
         use_autocast = self.compute_dtype != torch.float32
+        frozen = self._frozen_bottom_layers() if shared_prefix_len > 0 else 0
         with torch.autocast("cpu", dtype=self.compute_dtype, enabled=use_autocast):
-            out = self.lm.model(input_ids=input_ids_L[None], position_ids=position_ids_L[None], use_cache=False)
-        hidden_NH = out.last_hidden_state[0].index_select(0, gather_idx_N).to(self.compute_dtype)
+            if frozen:
+                hidden = self._shared_prefix_forward(input_ids_L, position_ids_L, shared_prefix_len, frozen)
+            else:
+                hidden = self.lm.model(input_ids=input_ids_L[None], position_ids=position_ids_L[None],
+                                       use_cache=False).last_hidden_state
+        hidden_NH = hidden[0].index_select(0, gather_idx_N).to(self.compute_dtype)
         weight_VH = self.lm.get_output_embeddings().weight.to(self.compute_dtype)
         result = self._logprob(hidden_NH, weight_VH, targets_N, None, temperature, with_entropy)
         logprobs_N, entropy_N = result if with_entropy else (result, None)
@@ -227,3 +273,50 @@ class PackedPolicy(nn.Module):
         if self.value_head is not None:
             values_N = self.value_head(hidden_NH.float())[:, 0]
         return logprobs_N.float(), (entropy_N.float() if entropy_N is not None else None), values_N
+
+    def _frozen_bottom_layers(self) -> int:
+        """How many decoder layers from the bottom have no trainable parameter, when the input
+        embedding does not train either (else 0: its gradient flows through every layer)."""
+        model = self.lm.model
+        if model.embed_tokens.weight.requires_grad:
+            return 0
+        count = 0
+        for layer in model.layers:
+            if any(p.requires_grad for p in layer.parameters()):
+                break
+            count += 1
+        return count
+
+    def _shared_prefix_forward(self, input_ids_L: torch.Tensor, position_ids_L: torch.Tensor, prefix_len: int,
+                               frozen: int) -> torch.Tensor:
+        """The decoder's last hidden state [1, L, H] of a packed row whose sequences share their first
+        `prefix_len` tokens, computing those tokens once in the `frozen` bottom layers (forward's docstring)."""
+        from transformers import DynamicCache
+
+        model = self.lm.model
+        layers = list(model.layers)
+        in_suffix_L = position_ids_L >= prefix_len
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            prefix_pos = position_ids_L[None, :prefix_len]
+            prefix = model.embed_tokens(input_ids_L[None, :prefix_len])
+            prefix_pe = model.rotary_emb(prefix, position_ids=prefix_pos)
+            for layer in layers[:frozen]:
+                prefix = layer(prefix, attention_mask=None, position_ids=prefix_pos, past_key_values=cache, use_cache=True,
+                               position_embeddings=prefix_pe)
+            suffix_pos = position_ids_L[in_suffix_L][None]
+            suffix = model.embed_tokens(input_ids_L[in_suffix_L][None])
+            suffix_pe = model.rotary_emb(suffix, position_ids=suffix_pos)
+            for layer in layers[:frozen]:
+                # The cache appends the suffix keys to the prefix's: attention sees [prefix ; row].
+                suffix = layer(suffix, attention_mask=None, position_ids=suffix_pos, past_key_values=cache, use_cache=True,
+                               position_embeddings=suffix_pe)
+            hidden = suffix.new_empty((1, input_ids_L.shape[0], suffix.shape[-1]))
+            hidden[0, in_suffix_L] = suffix[0]
+            hidden[0, ~in_suffix_L] = prefix[0, position_ids_L[~in_suffix_L]]
+        positions = position_ids_L[None]
+        pe = model.rotary_emb(hidden, position_ids=positions)
+        for layer in layers[frozen:]:
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, past_key_values=None, use_cache=False,
+                           position_embeddings=pe)
+        return model.norm(hidden)

@@ -87,6 +87,9 @@ class TrainerConfig:
     """Whether the (tied) embedding / LM head matrix trains."""
     vf_coef: float = 0.5
     """Weight of the value loss (gae only)."""
+    share_prefix: bool = True
+    """Run the prefix that all sequences of a micro-batch share once through the frozen bottom
+    layers (PackedPolicy.forward); no effect when the embedding or every layer trains."""
 
     def __post_init__(self) -> None:
         if self.max_row_tokens <= 0:
@@ -183,7 +186,8 @@ class Trainer:
 
     def _forward(self, mb: MicroBatch, with_entropy: bool):
         return self.policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
-                           temperature=self.config.temperature, with_entropy=with_entropy)
+                           temperature=self.config.temperature, with_entropy=with_entropy,
+                           shared_prefix_len=mb.shared_prefix_len if self.config.share_prefix else 0)
 
     def _gae_advantages(
         self, mb: MicroBatch, values_N: torch.Tensor, weights: RewardWeights

@@ -58,6 +58,55 @@ def packed_order(packed, samples):
     return [next(i for i, s in enumerate(samples) if s is ps) for ps in packed.samples]
 
 
+def _shared_prefix_groups(prefix_len: int):
+    """Two groups whose sequences all start with the same `prefix_len` tokens (a system prompt); within
+    a group the question continues the shared prefix too, as in a GRPO group."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, VOCAB, prefix_len)
+    groups = []
+    for g, turns in enumerate([[(5, 3), (4, 0)], [(3, 6), (6, 2), (2, 0)]]):
+        group = make_group(f"g{g}", [1.0, 0.0, 0.5], prompt_len=prefix_len + 6, turns=turns, vocab_size=VOCAB, seed=g)
+        question = rng.integers(0, VOCAB, 6)
+        for t in group.trajectories:
+            t.token_ids[:prefix_len] = system
+            t.token_ids[prefix_len:prefix_len + 6] = question
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.parametrize("train_layers", [1, 2])
+def test_shared_prefix_forward_gives_the_same_logprobs_and_gradients(train_layers):
+    samples = _samples(_shared_prefix_groups(prefix_len=11))
+    [mb] = build_micro_batches(samples, max_row_tokens=10_000)
+    assert mb.shared_prefix_len == 11 and mb.num_seqs == 6
+    [one_group] = build_micro_batches(samples[:3], max_row_tokens=10_000)
+    assert one_group.shared_prefix_len == 17  # system prompt + the group's question
+    results = []
+    for share in (False, True):
+        model = tiny_llama(VOCAB, num_layers=3)
+        set_trainable(model, train_layers, train_embeddings=False)
+        policy = PackedPolicy(model, kernels="reference")
+        assert policy._frozen_bottom_layers() == 3 - train_layers
+        logprobs, entropy, _ = policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
+                                      shared_prefix_len=mb.shared_prefix_len if share else 0)
+        (logprobs.sum() + entropy.sum()).backward()
+        results.append((logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (plain_lp, plain_grads), (shared_lp, shared_grads) = results
+    torch.testing.assert_close(shared_lp, plain_lp, atol=1e-5, rtol=1e-5)
+    assert shared_grads.keys() == plain_grads.keys() and plain_grads
+    for name in plain_grads:
+        torch.testing.assert_close(shared_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_no_shared_prefix_when_sequences_differ_from_the_first_token():
+    group = make_group("g", [1.0, 0.0], vocab_size=VOCAB)  # random prompts
+    group.trajectories[1].token_ids[0] = (group.trajectories[0].token_ids[0] + 1) % VOCAB
+    [mb] = build_micro_batches(_samples([group]), max_row_tokens=10_000)
+    assert mb.shared_prefix_len == 0
+    [single] = build_micro_batches(_samples([group])[:1], max_row_tokens=10_000)
+    assert single.shared_prefix_len == 0
+
+
 def test_observation_tokens_get_zero_gradient_and_loss_matches_masked_full_logits():
     torch.manual_seed(0)
     model = tiny_llama(VOCAB)
