@@ -241,18 +241,28 @@ def run_check_step(rank: int, world: int, batch: str = "groups") -> dict:
     for name, p in sorted(policy.named_parameters()):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         checksum += float(full.detach().double().abs().sum()) * (1 + len(name) % 7)
+    # What the service would publish: the gathered full state, renamed, against the unsharded snapshot.
+    from agentrl.learner.publish import snapshot_from_policy_state, snapshot_weights
+
+    if world > 1:
+        policy_state, _ = full_state(policy)  # collective: every rank gathers, rank 0 keeps the tensors
+        snapshot = snapshot_from_policy_state(policy_state, tied=True)
+    else:
+        snapshot = snapshot_weights(policy.lm)
+    snapshot_checksum = sum(float(t.double().abs().sum()) * (1 + len(k) % 7) for k, t in snapshot.items())
     num_padding = torch.tensor([sum(1 for mb in mbs if not mb.samples)])
     if world > 1:
         torch.distributed.all_reduce(num_padding)
     return {"loss": stats.loss, "grad_norm": stats.grad_norm, "num_action_tokens": stats.num_action_tokens,
-            "param_checksum": checksum, "world": world, "num_padding_rows": int(num_padding)}
+            "param_checksum": checksum, "world": world, "num_padding_rows": int(num_padding),
+            "snapshot_keys": sorted(snapshot), "snapshot_checksum": snapshot_checksum}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="FSDP2 equivalence check (run under torchrun)")
     parser.add_argument("--out", required=True, help="JSON file: {batch name: result} for every check batch")
     args = parser.parse_args(argv)
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout_s=120.0)  # a check that hangs fails in 2 minutes
     try:
         result = {batch: run_check_step(rank, world, batch) for batch in CHECK_BATCHES}
         if rank == 0:

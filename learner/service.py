@@ -133,6 +133,14 @@ def load_config(path: str | Path) -> LearnerConfig:
     return from_dict(LearnerConfig, data, str(path))
 
 
+def world_size_mismatch(checkpoints: Path, written_by: int, world: int) -> str:
+    how = "without torchrun" if written_by == 1 else f"under torchrun --nproc_per_node {written_by}"
+    return (f"the latest checkpoint in {checkpoints} was written by {written_by} rank(s) and this learner runs "
+            f"{world}: resume it {how} (the optimizer state is laid out per world size), or start a new "
+            "output_dir with init_checkpoint pointing at that folder (weights and version carry over, the "
+            "optimizer starts fresh)")
+
+
 def staleness_of(traj, version: int) -> np.ndarray:
     return version - traj.policy_versions[traj.is_action.astype(bool)].astype(np.int64)
 
@@ -194,6 +202,9 @@ class Learner:
             if self.config.init_checkpoint:
                 self._init_from(Path(self.config.init_checkpoint))
             return
+        written_by = int(state.get("world_size", 1))
+        if written_by != 1:
+            raise RuntimeError(world_size_mismatch(self.out / "checkpoints", written_by, 1))
         self.trainer.policy.load_state_dict(state["policy"])
         self.trainer.optimizer.load_state_dict(state["optimizer"])
         self.trainer.scheduler.load_state_dict(state["scheduler"])
@@ -227,11 +238,8 @@ class Learner:
             if state is not None:
                 written_by = int(state.get("world_size", 1))
                 if written_by != self.group.world:
-                    plan = {"kind": "error", "message":
-                            f"the checkpoint in {self.out / 'checkpoints'} was written by {written_by} rank(s); this "
-                            f"learner runs {self.group.world}: resume with torchrun --nproc_per_node {written_by}"
-                            + (" (or without torchrun)" if written_by == 1 else "")
-                            + ", or start a new output_dir with init_checkpoint pointing at it (weights only)"}
+                    plan = {"kind": "error",
+                            "message": world_size_mismatch(self.out / "checkpoints", written_by, self.group.world)}
                 else:
                     plan = {"kind": "resume", "scheduler": state["scheduler"], "step": int(state["step"])}
             elif self.config.init_checkpoint:

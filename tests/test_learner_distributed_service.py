@@ -6,7 +6,7 @@ The two-rank lineage is cut by a SIGTERM to the torchrun launcher after step 3 a
 second torchrun run. Checked: every step's loss and gradient norm equal the one-process run's
 (the resumed steps 4-5 only do if model, optimizer and scheduler came back exactly), every group is
 trained exactly once at the same step as in one process, the SIGTERM checkpoint is a 2-rank one,
-and after the SIGTERM no rank's process is left.
+after the SIGTERM no rank's process is left, and one process refuses to resume the 2-rank checkpoint.
 """
 
 import asyncio
@@ -188,6 +188,12 @@ async def test_torchrun_service_matches_one_process_resumes_and_stops(tmp_path):
             assert await sender.wait_all_acked(timeout_s=10)
         finally:
             await sender.close()
+
+        # A different world size refuses the 2-rank checkpoint, saying how to resume it.
+        mismatch = _plain(config, tmp_path / "mismatch.log")
+        launched.append(mismatch)
+        assert mismatch.wait_exit(120) != 0
+        assert "resume it under torchrun --nproc_per_node 2" in (tmp_path / "mismatch.log").read_text()
     finally:
         for each in launched:
             each.kill_all()
@@ -210,3 +216,32 @@ async def test_torchrun_service_matches_one_process_resumes_and_stops(tmp_path):
     assert list(final["policy"]) == list(final_one["policy"])  # one layout for both: an init_checkpoint fits either
     for name, tensor in final_one["policy"].items():
         assert final["policy"][name].sub(tensor).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.slow
+async def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
+    """With the launcher gone (so torchrun's own monitoring cannot stop anyone), SIGKILL rank 1
+    while rank 0 waits for data: rank 0's next heartbeat finds the peer gone and it exits."""
+    model_dir = tmp_path / "model"
+    tiny_llama(vocab_size=64).save_pretrained(model_dir)
+    config = _write_config(tmp_path / "two.toml", tmp_path / "run", model_dir, f"tcp://127.0.0.1:{_free_port()}")
+    config.write_text(config.read_text().replace("dist_timeout_s = 60.0", "dist_timeout_s = 20.0"))  # heartbeat 5 s
+    log = tmp_path / "two.log"
+    launched = _torchrun(config, log)
+    try:
+        await _wait_for(lambda: "READY learner step=0" in log.read_text(), launched, "READY")
+        pids = _rank_pids(log)
+        os.kill(launched.proc.pid, signal.SIGKILL)
+        launched.proc.wait(timeout=30)
+        assert _alive(pids[0]) and _alive(pids[1])  # the ranks outlive their launcher
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 120  # a liveness bound, not a speed check: the heartbeat comes within 5 s
+        while _alive(pids[0]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not _alive(pids[0]), log.read_text()[-3000:]
+        assert "Connection closed by peer" in log.read_text() or "Timed out" in log.read_text(), log.read_text()[-3000:]
+    finally:
+        for pid in _rank_pids(log).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launched.kill_all()

@@ -3,6 +3,7 @@ on an even batch and on one where a rank must run a padding micro-batch."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,12 +24,19 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
     single = {batch: run_check_step(rank=0, world=1, batch=batch) for batch in CHECK_BATCHES}
     out = tmp_path / "fsdp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
-    proc = subprocess.run(
+    # Own session: on a timeout the launcher AND its ranks are killed (killing the launcher alone orphans them).
+    proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), "-m", "agentrl.learner.distributed", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, output[-6000:]
     results = json.loads(out.read_text())
     assert results["groups"]["num_padding_rows"] == 0
     assert results["uneven"]["num_padding_rows"] == 1  # rank 0's one long sequence against rank 1's two rows
@@ -40,3 +48,6 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
         assert sharded["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), batch
         # The parameters after the AdamW step (lr 1e-2, so a wrong gradient would show).
         assert sharded["param_checksum"] == pytest.approx(one["param_checksum"], rel=1e-6), batch
+        # The weights the service publishes: gathered from the shards, named and cast as in one process.
+        assert sharded["snapshot_keys"] == one["snapshot_keys"] and "lm_head.weight" not in one["snapshot_keys"]
+        assert sharded["snapshot_checksum"] == pytest.approx(one["snapshot_checksum"], rel=1e-6), batch
