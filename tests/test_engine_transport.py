@@ -1,13 +1,23 @@
-"""GroupSender/GroupReceiver and VersionPublisher/VersionSubscriber over real ZeroMQ sockets."""
+"""GroupSender/GroupReceiver and VersionPublisher/VersionSubscriber over real ZeroMQ sockets; the
+inference client's HTTP/1.1 layer against a real aiohttp server on a loopback socket."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
+import msgspec
 import numpy as np
 import pytest
+from aiohttp import web
 
+from agentrl.engine.inference import (
+    InferenceServerError,
+    InferenceServerUnavailable,
+    SamplingParams,
+    VLLMClient,
+)
 from agentrl.engine.trajectory import Trajectory, TrajectoryGroup, Turn
 from agentrl.engine.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 
@@ -144,3 +154,102 @@ async def test_versions_reach_a_late_subscriber():
     finally:
         await sub.close()
         await pub.close()
+
+
+# ------------------------------------------------------------------ inference client over HTTP/1.1
+
+
+def answer(ids: list[int], spans: list[tuple[int, int, str]]) -> bytes:
+    choice = {"token_ids": ids, "finish_reason": "stop",
+              "logprobs": {"content": [{"token_id": i, "logprob": -0.1 * i, "top_logprobs": []} for i in ids]},
+              "weight_versions": [{"start": a, "end": b, "version": v} for a, b, v in spans]}
+    return msgspec.json.encode({"request_id": "r", "choices": [choice]})
+
+
+@contextlib.asynccontextmanager
+async def http_server():
+    """A real HTTP server whose answer to /inference/v1/generate depends on the first prompt id:
+    1 -> Content-Length answer, 2 -> chunked answer in pieces, 3 -> Connection: close, 4 -> HTTP 400,
+    5 -> the connection is cut after half the headers. Records the client port of every request."""
+    peers: list[int] = []
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername")[1])
+        body = msgspec.json.decode(await request.read())
+        prompt, max_tokens = body["token_ids"], body["sampling_params"]["max_tokens"]
+        ids = [prompt[-1] + k for k in range(max_tokens)]
+        kind = prompt[0]
+        if kind == 1:
+            return web.Response(body=answer(ids, [(0, len(ids), "default")]), content_type="application/json")
+        if kind == 2:
+            resp = web.StreamResponse()
+            resp.enable_chunked_encoding()
+            resp.content_type = "application/json"
+            await resp.prepare(request)
+            data = answer(ids, [(0, 2, "default"), (2, len(ids), "7")])
+            for k in range(0, len(data), 17):
+                await resp.write(data[k:k + 17])
+                await asyncio.sleep(0)
+            await resp.write_eof()
+            return resp
+        if kind == 3:
+            return web.Response(body=answer(ids, [(0, len(ids), "3")]), content_type="application/json",
+                                headers={"Connection": "close"})
+        if kind == 4:
+            return web.json_response({"error": "prompt too long"}, status=400)
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Le")
+        request.transport.abort()
+        return web.Response()  # goes nowhere: the connection is gone
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{port}", peers
+    finally:
+        await runner.cleanup()
+
+
+async def test_client_reads_length_and_chunked_answers_over_reused_connections():
+    async with http_server() as (url, peers), VLLMClient(url) as client:
+        for _ in range(3):
+            gen = await client.generate([1, 50, 60], SamplingParams(max_tokens=4))
+            assert gen.token_ids == [60, 61, 62, 63] and gen.versions == [0] * 4 and gen.server == url
+            assert gen.logprobs == pytest.approx([-6.0, -6.1, -6.2, -6.3])
+        chunked = await client.generate([2, 70], SamplingParams(max_tokens=5))
+        assert chunked.token_ids == [70, 71, 72, 73, 74] and chunked.versions == [0, 0, 7, 7, 7]
+        # Many at once: each needs its own connection; afterwards they are all reused.
+        many = await asyncio.gather(*(client.generate([1, i], SamplingParams(max_tokens=2)) for i in range(32)))
+        assert [g.token_ids for g in many] == [[i, i + 1] for i in range(32)]
+        num_connections = len(set(peers))
+        await asyncio.gather(*(client.generate([1, i], SamplingParams(max_tokens=2)) for i in range(32)))
+        assert len(set(peers)) == num_connections <= 33
+        # An answer that closes its connection is read whole; the next request opens a new one.
+        closing = await client.generate([3, 80], SamplingParams(max_tokens=2))
+        assert closing.token_ids == [80, 81] and closing.versions == [3, 3]
+        again = await client.generate([1, 90], SamplingParams(max_tokens=2))
+        assert again.token_ids == [90, 91]
+
+
+async def test_client_separates_rejections_from_unavailability():
+    async with http_server() as (url, _), VLLMClient(url, request_timeout_s=5.0) as client:
+        with pytest.raises(InferenceServerError, match="HTTP 400.*prompt too long") as rejected:
+            await client.generate([4, 1], SamplingParams(max_tokens=2))
+        assert not isinstance(rejected.value, InferenceServerUnavailable)
+        with pytest.raises(InferenceServerUnavailable, match="closed the connection"):
+            await client.generate([5, 1], SamplingParams(max_tokens=2))
+        # The client is still usable afterwards.
+        assert (await client.generate([1, 5], SamplingParams(max_tokens=1))).token_ids == [5]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    async with VLLMClient(f"http://127.0.0.1:{dead_port}") as client:
+        with pytest.raises(InferenceServerUnavailable, match="ConnectionRefused"):
+            await client.generate([1, 2], SamplingParams(max_tokens=2))
+        assert not await client.health()
