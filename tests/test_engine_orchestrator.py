@@ -4,6 +4,7 @@ unacknowledging learner (real ZeroMQ transport; a scripted policy stands in for 
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 
 import pytest
@@ -98,3 +99,25 @@ async def test_learner_that_stops_acking_stops_new_episodes(env_tasks):
         run.cancel()
         await sender.close()
         await receiver.close()
+
+
+async def test_collector_threshold_is_raised_during_a_run_and_restored(env_tasks):
+    env, tasks = env_tasks
+    seen: list[int] = []
+    ids = [*env.chat.encode("<answer>x</answer>"), env.chat.im_end_id]
+
+    async def generate(prompt_ids, params):
+        seen.append(gc.get_threshold()[0])
+        return Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids), "scripted")
+
+    async def sink(group):
+        pass
+
+    before = gc.get_threshold()
+    await Orchestrator(env, generate, sink, OrchestratorConfig(group_size=2, gc_threshold0=123_456)).run(tasks[:2])
+    assert seen == [123_456] * 4 and gc.get_threshold() == before
+    seen.clear()
+    await Orchestrator(env, generate, sink, OrchestratorConfig(group_size=1, gc_threshold0=None)).run(tasks[:1])
+    assert seen == [before[0]] and gc.get_threshold() == before
+    with pytest.raises(ValueError, match="gc_threshold0"):
+        OrchestratorConfig(gc_threshold0=0)
