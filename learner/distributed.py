@@ -60,11 +60,17 @@ def launched_world_size() -> int:
 
 
 def shard_policy(policy: PackedPolicy) -> PackedPolicy:
+    """FSDP2 over what trains; frozen parameters (`train_layers`, `train_embeddings`) stay whole on
+    every rank: they have no gradient to reduce and no optimizer state to shard, and a fully frozen
+    FSDP unit deadlocked here (its backward prefetch all-gather is never matched on the other rank:
+    gloo timeout at the second step with one micro-batch per rank and train_layers = 1)."""
     from torch.distributed.fsdp import fully_shard
 
+    frozen = {p for p in policy.parameters() if not p.requires_grad}
     for layer in policy.lm.model.layers:
-        fully_shard(layer)
-    fully_shard(policy)
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer, ignored_params=frozen & set(layer.parameters()) or None)
+    fully_shard(policy, ignored_params=frozen or None)
     return policy
 
 

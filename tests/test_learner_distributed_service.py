@@ -40,7 +40,9 @@ def _free_port() -> int:
 
 def _write_config(path: Path, run_dir: Path, model_dir: Path, endpoint: str) -> Path:
     # One group = 2 samples x 25 tokens; a 100-token budget takes exactly 2 groups per step, and each
-    # of the 2 ranks gets 2 of the 4 sequences. fp32 so that the two layouts agree to ~1e-6.
+    # of the 2 ranks gets 2 of the 4 sequences. fp32 so that the two layouts agree to ~1e-6. The top
+    # layer and final norm train (sharded, with sharded AdamW state) and the embedding and layer 0 are
+    # frozen (kept whole on every rank): both kinds go through the gather, the checkpoint and the resume.
     path.write_text(f"""
 output_dir = "{run_dir}"
 model_dir = "{model_dir}"
@@ -58,6 +60,8 @@ progress_bar = false
 [trainer]
 precision = "fp32"
 max_row_tokens = 256
+train_layers = 1
+train_embeddings = false
 
 [trainer.optimizer]
 lr = 1e-3
