@@ -5,19 +5,28 @@ forward/backward and freed after), and the `PackedPolicy` is the root unit, hold
 embedding / LM head, the final norm and the value head; because the root's forward runs both the
 decoder and `linear_logprob`, the LM head weight is unsharded exactly while the kernel reads it.
 The optimizer is built after sharding, so each rank keeps the AdamW state of its shard only.
+Frozen parameters (`train_layers`, `train_embeddings`) are not sharded: they stay whole on every
+rank (`shard_policy` docstring).
 
 Data: each rank trains on its own share of the batch (`shard_samples`, balanced by tokens, whole
 sequences); `Trainer.rl_step` normalises by the global token count and scales by the world size so
 that FSDP's gradient averaging gives the single-process update. Every rank must run the same number
 of micro-batch forwards (FSDP's collectives are per forward); `shard_samples` + the same
 `max_row_tokens` does not guarantee that, so `equalise_micro_batches` splits rows until the counts
-match (an extra forward on a small row costs little; a mismatch would hang).
+match (an extra forward on a small row costs little; a mismatch would hang), and where a rank has
+too few sequences to split that far it runs one-token padding rows with no action token (zero loss,
+zero gradient).
+
+The learner service under torchrun (`service.py` docstring) uses `RankGroup` (rank 0's commands to
+the other ranks), `full_state` / `load_full_state` (full state dicts gathered to and broadcast from
+rank 0) and `init_distributed(timeout_s)` (the process group's timeout bounds every collective).
 
 Backend: gloo on CPU (tests: 2 processes), nccl where CUDA exists.
 
 `python -m agentrl.learner.distributed --out FILE` (under torchrun) is the equivalence check the
-tests run: one optimizer step on a fixed batch of a tiny model, sharded over the ranks, and the
-loss, gradient norm and a checksum of the updated parameters written as JSON by rank 0.
+tests run: one optimizer step on each fixed batch (`CHECK_BATCHES`) of a tiny model, sharded over
+the ranks, and the loss, gradient norm, a checksum of the updated parameters and of the weights
+the service would publish written as JSON by rank 0.
 """
 
 from __future__ import annotations

@@ -18,6 +18,39 @@ fresh server serves). A token sampled under version v is (version - v) steps sta
 
 Shutdown: SIGTERM (or SIGINT) sets a flag that is checked between steps and interrupts a wait for
 data; the learner then writes a checkpoint, waits for the push in flight (bounded) and exits 0.
+
+Under torchrun (data parallel, FSDP2; `distributed.py`):
+
+    torchrun --nproc_per_node 2 -m agentrl.cli learner --config learner.toml
+
+(the same config file; `python -P -m torch.distributed.run ...` is the same launcher). Without
+torchrun, or with one process per node and one node, the learner is the one process above.
+- Rank 0 alone talks to the outside world: the GroupReceiver (spool, acks, dedup), the ledger, the
+  version publisher, the pushes to vLLM, metrics and the checkpoint files. It forms each batch
+  exactly as one process does (same budget, staleness filter, advantages), then sends every rank
+  its share (`shard_samples`: whole sequences, balanced by tokens) with a "step" command; all ranks
+  run `Trainer.rl_step` / `sft_step` on their share with equal micro-batch counts, and the
+  gradients average to the one-process update (`tests/test_learner_distributed_service.py`
+  compares every step's loss with a one-process run of the same groups).
+- The other ranks run `Learner.follow`: they build the same sharded trainer and execute rank 0's
+  commands (step, snapshot, checkpoint, heartbeat, stop) in the order it sends them, so every
+  collective is entered in the same order everywhere.
+- Publishing: rank 0 announces a snapshot, every rank takes part in gathering the full state dict
+  (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`), rank 0 casts it to bf16 and
+  pushes it in the background as in one process.
+- Checkpoints are full, written by rank 0 (see `_checkpoint_sharded` for why not sharded): model,
+  optimizer (gathered by parameter name), scheduler, every rank's RNG, step, version, ledger. They
+  resume under the same world size; another world size is refused with the fix in the message
+  (the weights carry over to any world size through `init_checkpoint`).
+- Shutdown: a SIGTERM to the launcher reaches every rank; ranks other than 0 ignore it and keep
+  serving rank 0, which checkpoints (a collective) and then sends "stop", so all exit 0 within
+  torchrun's `--shutdown-timeout` (30 s by default; beyond it torchrun kills them and the last
+  checkpoint plus the spool still give exactly-once). A SIGTERM to rank 0 alone does the same.
+- A dead or hung rank: the process group has a timeout (`dist_timeout_s`); rank 0 sends a
+  heartbeat every quarter of it while it waits for data or for a push, so the other ranks' wait
+  for the next command never trips it while rank 0 lives. If a peer dies, the next collective
+  fails (at once when the connection closes, else after `dist_timeout_s`) and the rank exits
+  non-zero; torchrun stops the rest. Nothing acknowledged is lost: it is in rank 0's spool.
 """
 
 from __future__ import annotations
