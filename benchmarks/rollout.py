@@ -463,16 +463,21 @@ def main() -> int:
                              "model then makes a search call on most first turns; at T=0.7 it made 20 calls in 32 episodes)")
     args = parser.parse_args()
     args.max_turns = 4
-    args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 15.0, 4.0, 3
+    args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 12.0, 3.0, 3
 
     from agentrl.model import prepare_model
 
     model_dir = str(prepare_model())
-    result: dict = {"benchmark": "rollout", **machine()}
+    result: dict = {"benchmark": "rollout", **machine(), "load_average_1m_start": round(os.getloadavg()[0], 2)}
+    start = time.perf_counter()
     if not args.skip_capacity:
         result.update(asyncio.run(capacity(model_dir, num_prompts=1024, group_size=4, num_runs=3)))
+        result.update(capacity_wall_s=round(time.perf_counter() - start, 1))
     if not args.skip_vllm:
+        vllm_start = time.perf_counter()
         result.update(asyncio.run(on_vllm(model_dir, args)))
+        result.update(vllm_part_wall_s=round(time.perf_counter() - vllm_start, 1))
+    result.update(benchmark_wall_s=round(time.perf_counter() - start, 1), load_average_1m_end=round(os.getloadavg()[0], 2))
     result.update(target_capacity_turns_per_s=3000, target_backend_utilisation=0.95, target_async_vs_lockstep_ratio=2.0)
     print(json.dumps(result))
     return 0
