@@ -24,7 +24,7 @@ Under torchrun (data parallel, FSDP2; `distributed.py`):
     torchrun --nproc_per_node 2 -m agentrl.cli learner --config learner.toml
 
 (the same config file; `python -P -m torch.distributed.run ...` is the same launcher). Without
-torchrun, or with one process per node and one node, the learner is the one process above.
+torchrun, or under torchrun with a world size of 1, the learner is the one process above.
 - Rank 0 alone talks to the outside world: the GroupReceiver (spool, acks, dedup), the ledger, the
   version publisher, the pushes to vLLM, metrics and the checkpoint files. It forms each batch
   exactly as one process does (same budget, staleness filter, advantages), then sends every rank

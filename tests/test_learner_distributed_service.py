@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from agentrl.engine.transport import GroupSender
@@ -69,8 +70,16 @@ lr = 1e-3
     return path
 
 
+SYSTEM_PROMPT = np.array([3, 1, 4, 1, 5], dtype=np.int32)
+
+
 def _group(i: int):
-    return make_group(f"grp-{i:03d}", [1.0, 0.0], prompt_len=5, turns=[(8, 4), (8, 0)], vocab_size=64, seed=i)
+    group = make_group(f"grp-{i:03d}", [1.0, 0.0], prompt_len=5, turns=[(8, 4), (8, 0)], vocab_size=64, seed=i)
+    for traj in group.trajectories:
+        # Every sequence starts with the same prompt, as with a system prompt: a packed row's shared
+        # prefix runs once through the frozen bottom layer (PackedPolicy.forward), sharded or not.
+        traj.token_ids[: len(SYSTEM_PROMPT)] = SYSTEM_PROMPT
+    return group
 
 
 class Launched:
@@ -249,3 +258,63 @@ async def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         launched.kill_all()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+async def test_torchrun_learner_publishes_gathered_weights_to_vllm(vllm_server, model_dir, tmp_path):
+    """SmolLM2 under 2 ranks pushes to the shared real vLLM server: rank 0 gathers the sharded
+    weights after each step and the server ends up serving the learner's version 2."""
+    from agentrl.engine.inference import VLLMClient
+    from agentrl.engine.weights import push_weights
+
+    run_dir = tmp_path / "run"
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    config = tmp_path / "learner.toml"
+    # tokens_per_step = 1: one whole group per step. Only the top layer trains, to keep a step short.
+    config.write_text(f"""
+output_dir = "{run_dir}"
+model_dir = "{vllm_server.model_dir}"
+tokens_per_step = 1
+max_steps = 2
+publish_every = 1
+checkpoint_every = 2
+staleness_bound = 100
+group_endpoint = "{endpoint}"
+version_endpoint = "tcp://127.0.0.1:{_free_port()}"
+server_urls = ["{vllm_server.base_url}"]
+tensorboard = false
+progress_bar = false
+
+[trainer]
+precision = "bf16"
+train_layers = 1
+train_embeddings = false
+max_row_tokens = 1024
+
+[trainer.optimizer]
+lr = 1e-5
+""")
+    async with VLLMClient(vllm_server.base_url) as client:
+        version_before = await client.weight_version()
+    groups = [make_group(f"pub-{i}", [1.0, 0.0], prompt_len=6, turns=[(10, 4), (6, 0)], vocab_size=49152, seed=i)
+              for i in range(2)]
+    learner = _torchrun(config, tmp_path / "learner.log")
+    sender = GroupSender(endpoint)
+    try:
+        await sender.start()
+        await _send_all(sender, groups)
+        returncode = await asyncio.to_thread(learner.wait_exit, 600)
+        assert returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
+        async with VLLMClient(vllm_server.base_url) as client:
+            served = await client.weight_version()
+    finally:
+        learner.kill_all()
+        await sender.close()
+        await push_weights(vllm_server.base_url, model_dir / "model.safetensors", version_before)
+    assert served == 2, f"server serves version {served}; the learner published 2"
+    lineage = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in lineage] == [1, 2]
+    assert [r["served_version"] for r in lineage][-1] >= 1  # the first push had landed by the end of step 2
+    assert all("time/publish_stall_s" in r for r in lineage)
+    assert "READY learner step=0 replay=0" in (tmp_path / "learner.log").read_text()
