@@ -83,13 +83,15 @@ def _group(i: int):
 
 
 class Launched:
-    """One learner launch (plain or torchrun), its own session so a failed test can stop the lot."""
+    """One learner launch (plain or torchrun). torchrun starts each rank in a session of its own,
+    so a failed test stops the launcher (which stops its ranks) and then any rank left, by PID."""
 
     def __init__(self, argv: list[str], log: Path):
+        self.argv = argv
         self.log_path = log
         self.log = open(log, "ab")  # noqa: SIM115 (closed in wait_exit)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_exit(self, timeout_s: float) -> int:
         try:
@@ -99,8 +101,15 @@ class Launched:
 
     def kill_all(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+            self.proc.send_signal(signal.SIGTERM)  # torchrun: SIGTERM to the ranks, SIGKILL after 30 s
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        for pid in _rank_pids(self.log_path).values():
+            if _alive(pid) and _is_learner(pid, self.argv[-1]):
+                os.kill(pid, signal.SIGKILL)
         self.log.close()
 
 
@@ -138,6 +147,15 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited; its parent just has not reaped it
+    except FileNotFoundError:
+        return False
+
+
+def _is_learner(pid: int, config: str) -> bool:
+    """Still a rank of this learner launch (not a process that has since reused the PID)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f"agentrl.cli\x00learner\x00--config\x00{config}".encode() in f.read()
     except FileNotFoundError:
         return False
 
@@ -254,9 +272,6 @@ async def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
         assert not _alive(pids[0]), log.read_text()[-3000:]
         assert "Connection closed by peer" in log.read_text() or "Timed out" in log.read_text(), log.read_text()[-3000:]
     finally:
-        for pid in _rank_pids(log).values():
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
         launched.kill_all()
 
 

@@ -24,18 +24,23 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
     single = {batch: run_check_step(rank=0, world=1, batch=batch) for batch in CHECK_BATCHES}
     out = tmp_path / "fsdp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
-    # Own session: on a timeout the launcher AND its ranks are killed (killing the launcher alone orphans them).
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
          "--master_port", str(_free_port()), "-m", "agentrl.learner.distributed", "--out", str(out)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         output, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+            # torchrun puts each rank in its own session: killing the launcher would orphan them, so
+            # SIGTERM it and let it stop its ranks (it SIGKILLs them after its 30 s shutdown timeout).
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate(timeout=30)
     assert proc.returncode == 0, output[-6000:]
     results = json.loads(out.read_text())
     assert results["groups"]["num_padding_rows"] == 0
