@@ -333,8 +333,13 @@ async def evaluate(conn: Connections, tasks: list, label: str) -> tuple[dict, li
     async def collect(group):
         trajectories.extend(group.trajectories)
 
+    from agentrl.engine.weights import reset_kv_cache
+
     versions_before = [await s.client.weight_version() for s in conn.pool.servers if s.alive]
     t0 = time.perf_counter()
+    # Pushes may keep KV computed under earlier weights (learner `recompute_kv_on_push = false`);
+    # an evaluation starts from none.
+    await asyncio.gather(*(reset_kv_cache(url) for url in conn.pool.live_servers))
     orch = Orchestrator(conn.env, conn.pool.generate, collect,
                         OrchestratorConfig(group_size=1, max_concurrent_episodes=256, sampling=SamplingConfig(temperature=0.0)),
                         run_id=f"eval-{label}")

@@ -354,6 +354,8 @@ class ToolEnv:
         if state.done:
             if state.answer is None:
                 state.metrics.update(em=0.0, f1=0.0)
+                if state.status == "truncated" and cfg.rewards.no_answer:
+                    terms[R.NO_ANSWER] = terms.get(R.NO_ANSWER, 0.0) + cfg.rewards.no_answer
             return Transition([], terms, True)
         state.messages[-1] = ("assistant", state.messages[-1][1], CLOSED)
         state.messages += [("tool", content, CLOSED), ("assistant", "", "")]

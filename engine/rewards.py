@@ -21,6 +21,7 @@ MALFORMED_CALL = "malformed_call"
 OVER_LIMIT = "over_limit"
 TOOL_DIVERSITY = "tool_diversity"
 NO_ACTION = "no_action"
+NO_ANSWER = "no_answer"
 
 
 @dataclass
@@ -41,6 +42,11 @@ class ProcessRewardConfig:
     """Once per distinct tool used successfully in the episode, from the second distinct tool on."""
     no_action: float = -0.1
     """A turn with neither a tool call nor an answer."""
+    no_answer: float = -0.5
+    """Once, on the last turn, when the episode ends without an answer (turn or token limit; not
+    an infrastructure failure). Without it the per-call terms make searching until the turns run
+    out pay better than answering: seen in a CPU run (process weight 0.55), tool calls per episode
+    went from 1.4 to 3.5 and the sampled EM from 0.25 to 0 within 12 RL steps."""
 
     def value(self, term: str) -> float:
         return float(getattr(self, term))

@@ -5,8 +5,16 @@ A push, in order:
    caller passes a file; writing there costs no disk I/O.
 2. stage: the server's worker reads and validates the file (names, shapes, finite values) while
    it keeps generating. A refused push stops here: nothing was paused or applied.
-3. pause with mode `keep` and `clear_cache`: running requests freeze in the scheduler and their
-   KV/prefix cache is dropped, so after the swap they recompute under the new weights.
+3. pause with mode `keep`: running requests freeze in the scheduler. With `recompute_kv` (the
+   default) the KV and prefix caches are dropped too, so after the swap every running request
+   recomputes its whole context under the new weights (AReaL's choice). Without it, running
+   requests keep the keys and values computed so far and continue under the new weights, and the
+   prefix cache keeps its blocks (PipelineRL's in-flight update). The second is inexact in a way
+   the learner corrects: the behavior log-probs vLLM returns are those of the distribution that
+   actually sampled, and the decoupled objective's importance weight uses them. It matters on CPU:
+   recomputing ~16 in-flight 600-token contexts costs the 2-core server ~20 s of prefill per push,
+   more than the time between pushes when an evaluation's 96 requests are in flight too. Call
+   `reset_kv_cache` before a measurement that must see only the new weights (an evaluation).
 4. apply: layer-wise reload from the staged tensors (the only reload path that works on the CPU
    worker; about 0.35 s for 135M parameters).
 5. set the weight-version label (the learner step), so tokens sampled from now on carry it.
@@ -84,9 +92,10 @@ async def push_weights(
     version: int,
     *,
     timeout_s: float = 300.0,
+    recompute_kv: bool = True,
 ) -> PushResult:
     """Hot-swap `weights` (a safetensors path, or a state dict with checkpoint names) into the
-    server at `base_url` and label them `version`."""
+    server at `base_url` and label them `version`; `recompute_kv`: module docstring, step 3."""
     base_url = base_url.rstrip("/")
     write_s = 0.0
     owned_file = None
@@ -102,7 +111,7 @@ async def push_weights(
         async with aiohttp.ClientSession(timeout=timeout) as session:
             staged = await _rpc(session, base_url, "agentrl_stage_weights", str(path))
             t_pause = time.perf_counter()
-            await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true"})
+            await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true" if recompute_kv else "false"})
             try:
                 applied = await _rpc(session, base_url, "agentrl_apply_staged")
                 await _post(session, base_url + "/update_weight_version", json_body={"new_version": str(int(version))})
@@ -115,6 +124,18 @@ async def push_weights(
         if owned_file is not None:
             owned_file.unlink(missing_ok=True)
     return PushResult(int(version), pause_s, float(applied["reload_s"]), float(staged["stage_s"]), write_s)
+
+
+async def reset_kv_cache(base_url: str, *, timeout_s: float = 60.0) -> None:
+    """Drop the server's KV and prefix caches (running requests are kept and recompute), so that
+    nothing it generates from now on reuses keys and values computed under earlier weights."""
+    base_url = base_url.rstrip("/")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true"})
+            await _post(session, base_url + "/resume")
+    except aiohttp.ClientError as err:
+        raise WeightPushError(f"cache reset on {base_url} failed: {type(err).__name__}: {err}") from err
 
 
 def push_main(argv: list[str]) -> int:

@@ -66,9 +66,11 @@ def snapshot_from_policy_state(policy_state: dict[str, torch.Tensor], *, tied: b
 
 
 class WeightPublisher:
-    def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0):
+    def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, recompute_kv: bool = True):
         self.server_urls = list(server_urls)
         self.push_timeout_s = push_timeout_s
+        self.recompute_kv = recompute_kv
+        """Whether running requests recompute their KV under the new weights (engine.weights, step 3)."""
         self._task: asyncio.Task | None = None
         self.served_version = 0
         self.reports: list[PushReport] = []
@@ -89,7 +91,8 @@ class WeightPublisher:
         write_s = time.perf_counter() - t0
         try:
             results = await asyncio.gather(
-                *(push_weights(url, path, version, timeout_s=self.push_timeout_s) for url in self.server_urls)
+                *(push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=self.recompute_kv)
+                  for url in self.server_urls)
             )
         finally:
             path.unlink(missing_ok=True)

@@ -116,6 +116,10 @@ class LearnerConfig:
     """Drop trajectories with an action token more than this many versions behind; None = keep all."""
     publish_every: int = 1
     """Push weights to the servers every this many optimizer steps (0 = never)."""
+    recompute_kv_on_push: bool = True
+    """On a push, running requests recompute their whole context under the new weights (True), or
+    keep the keys and values computed so far and continue under the new weights (False: far less
+    work for a CPU server; the behavior log-probs still describe what sampled). engine/weights.py."""
     checkpoint_every: int = 10
     """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
     keep_checkpoints: int = 2
@@ -592,7 +596,7 @@ class Learner:
         self._restore()
         self._replay = [gid for gid in self.spool.pending() if gid not in self.ledger]
         self.num_duplicates = 0
-        self.publisher = WeightPublisher(cfg.server_urls) if cfg.publish_every else None
+        self.publisher = WeightPublisher(cfg.server_urls, recompute_kv=cfg.recompute_kv_on_push) if cfg.publish_every else None
         self.receiver = GroupReceiver(cfg.group_endpoint)
         self.version_pub = VersionPublisher(cfg.version_endpoint) if cfg.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,

@@ -143,6 +143,11 @@ async def test_limits_truncate_and_duplicates_cost(chat, world_tasks):
     assert traj.turns[0].process_rewards["over_limit"] < 0
     assert traj.turns[1].process_rewards["duplicate_call"] < 0 and "tool_success" not in traj.turns[1].process_rewards
     assert traj.metrics["em"] == 0.0
+    # Ending without an answer costs no_answer once, on the last turn only.
+    assert traj.turns[-1].process_rewards["no_answer"] == env.config.rewards.no_answer < 0
+    assert all("no_answer" not in t.process_rewards for t in traj.turns[:-1])
+    answered = await run_episode(env, tasks[0], ScriptedPolicy(env, [call, "<answer>x</answer>"]), SamplingConfig(), group_id="g")
+    assert answered.status == "ok" and all("no_answer" not in t.process_rewards for t in answered.turns)
 
 
 async def test_tool_infrastructure_failure_marks_episode_failed(chat, world_tasks):

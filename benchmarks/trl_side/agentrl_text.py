@@ -10,7 +10,7 @@ tool results is restated here from text, because TRL hands reward functions text
   texts. Same rules and values as `ToolEnv.step` (tests/test_vs_trl.py checks parity on fixed
   episodes): the action is cut at the parser's cut point; an answer ends the episode; each
   malformed call, unclosed answer, unknown tool or schema violation costs `malformed_call`; a turn
-  with neither a call nor an answer costs `no_action`; each call past the per-turn / per-episode
+  with neither a call nor an answer costs `no_action`; an episode that ends without an answer costs `no_answer` once; each call past the per-turn / per-episode
   limit costs `over_limit`; each valid call earns `valid_call`, plus `tool_success` the first time
   its (tool, arguments) occurs and `duplicate_call` after that (the search tool never fails).
 - `format_passages`: the tool message content agentrl shows for a list of passages
@@ -60,6 +60,7 @@ class ProcessValues:
     malformed_call: float = -0.2
     over_limit: float = -0.1
     no_action: float = -0.1
+    no_answer: float = -0.5
 
 
 @dataclass
@@ -136,6 +137,8 @@ def score_turns(turn_texts: list[str], answers: list[str], values: ProcessValues
     if out.answer is not None:
         out.em = metrics.exact_match(out.answer, answers)
         out.f1 = metrics.f1_score(out.answer, answers)
+    elif turn_texts and values.no_answer:
+        add("no_answer")
     return out
 
 
