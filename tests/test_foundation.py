@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from agentrl import model as model_mod
 from agentrl.engine.inference import InferenceServerUnavailable, SamplingParams, VLLMClient
 from agentrl.engine.serve import free_port
-from agentrl.engine.weights import WeightPushError, push_weights, write_weights
+from agentrl.engine.weights import WeightPushError, push_weights, reset_kv_cache, write_weights
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -139,7 +139,8 @@ def perturbed(state: dict[str, torch.Tensor], scale: float = 0.02) -> dict[str, 
     return {k: v + scale * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in state.items()}
 
 
-async def test_hot_swap_keeps_inflight_requests(vllm_server, model_dir, tokenizer, tmp_path):
+@pytest.mark.parametrize("recompute_kv", [True, False])
+async def test_hot_swap_keeps_inflight_requests(vllm_server, model_dir, tokenizer, tmp_path, recompute_kv):
     original = load_file(str(model_dir / "model.safetensors"))
     ids = chat_ids(tokenizer)
     num_inflight, max_tokens = 32, 128
@@ -156,13 +157,17 @@ async def test_hot_swap_keeps_inflight_requests(vllm_server, model_dir, tokenize
         ]
         await asyncio.sleep(0.5)
         try:
-            result = await push_weights(vllm_server.base_url, perturbed_path, version0 + 1)
+            result = await push_weights(vllm_server.base_url, perturbed_path, version0 + 1, recompute_kv=recompute_kv)
             assert result.version == version0 + 1 and result.pause_s > 0
             gens = await asyncio.gather(*inflight)
+            if not recompute_kv:  # the prefix cache may hold the prompt's keys from the old weights
+                await reset_kv_cache(vllm_server.base_url)
             after_perturbed = await greedy(client, ids)
             assert (await client.weight_version()) == version0 + 1
         finally:
-            await push_weights(vllm_server.base_url, original, version0)
+            await push_weights(vllm_server.base_url, original, version0, recompute_kv=recompute_kv)
+        if not recompute_kv:
+            await reset_kv_cache(vllm_server.base_url)
         restored = await greedy(client, ids)
 
     assert all(len(g.token_ids) == max_tokens for g in gens)
