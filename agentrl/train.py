@@ -129,6 +129,10 @@ class EvalConfig:
     """Held-out evaluation interval during RL, seconds of wall-clock."""
     naive_rag: bool = True
     """Also evaluate the Naive RAG baseline once, before training."""
+    in_budget: bool = True
+    """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
+    (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares
+    training time with a trainer that evaluates outside its budget."""
 
 
 @dataclass
@@ -388,6 +392,8 @@ class Supervisor:
         os.replace(tmp, self.phases_path)
 
     def _log_eval(self, summary: dict, trajectories: list | None = None) -> None:
+        if not self.config.eval.in_budget and hasattr(self, "deadline"):
+            self.deadline += summary["eval_s"]
         with open(self.out / "evals.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
         if trajectories is not None:  # per question, so the report can pair two evaluations question by question
@@ -497,6 +503,8 @@ class Supervisor:
                 if cfg.eval.naive_rag:
                     result["naive_rag"] = await self._naive_rag()
                 self._phase_done("baseline", result)
+            if not cfg.eval.in_budget:
+                self.deadline = time.monotonic() + cfg.minutes * 60
             # On --resume the budget applies to what is left to do (a long run continues in slices).
             if cfg.sft.enabled and "sft" not in self.phases:
                 await self._sft_phase()
@@ -583,9 +591,11 @@ class Supervisor:
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
         try:
-            rl_end = self.deadline - self._final_eval_reserve_s()
-            print(f"RL phase: {max(rl_end - time.monotonic(), 0) / 60:.1f} minutes", flush=True)
-            while time.monotonic() < rl_end:
+            def rl_end() -> float:  # an evaluation outside the budget moves the deadline
+                return self.deadline - self._final_eval_reserve_s()
+
+            print(f"RL phase: {max(rl_end() - time.monotonic(), 0) / 60:.1f} minutes", flush=True)
+            while time.monotonic() < rl_end():
                 await asyncio.sleep(2.0)
                 if actor.poll() is not None:
                     raise RuntimeError(f"actor exited with {actor.poll()}; log {actor.log_path}:\n{actor.log_tail()}")
@@ -601,7 +611,7 @@ class Supervisor:
                           flush=True)
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
-                if time.monotonic() >= next_eval and time.monotonic() + self._final_eval_reserve_s() < rl_end:
+                if time.monotonic() >= next_eval and time.monotonic() + self._final_eval_reserve_s() < rl_end():
                     summary, trajs = await evaluate(self.conn, self.heldout, "rl")
                     self._log_eval(summary, trajs)
                     next_eval = time.monotonic() + cfg.eval.every_s
@@ -614,7 +624,10 @@ class Supervisor:
 
     def _final_eval_reserve_s(self) -> float:
         """Time to keep for stopping the RL processes (the learner checkpoints on SIGTERM: ~10 s)
-        and the final evaluation: 1.25 x the slowest policy evaluation so far, plus 30 s."""
+        and the final evaluation: 1.25 x the slowest policy evaluation so far, plus 30 s (none when
+        evaluations are outside the budget)."""
+        if not self.config.eval.in_budget:
+            return 0.0
         path = self.out / "evals.jsonl"
         evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         durations = [e["eval_s"] for e in evals if e.get("label") != "naive_rag" and "eval_s" in e]

@@ -93,6 +93,7 @@ def comparison_config(minutes: float, path: str | None = None):
     config.services.tools = ["search"]
     config.eval.every_s = 1e9
     config.eval.naive_rag = False
+    config.eval.in_budget = False
     return config
 
 
