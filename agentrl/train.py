@@ -624,14 +624,15 @@ class Supervisor:
 
     def _final_eval_reserve_s(self) -> float:
         """Time to keep for stopping the RL processes (the learner checkpoints on SIGTERM: ~10 s)
-        and the final evaluation: 1.25 x the slowest policy evaluation so far, plus 30 s (none when
-        evaluations are outside the budget)."""
+        and the final evaluation: 1.25 x the latest evaluation that ran with the server to itself
+        (after SFT, else the baseline; evaluations during RL share it with the actor and run
+        slower), plus 30 s. None when evaluations are outside the budget."""
         if not self.config.eval.in_budget:
             return 0.0
         path = self.out / "evals.jsonl"
         evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        durations = [e["eval_s"] for e in evals if e.get("label") != "naive_rag" and "eval_s" in e]
-        return 1.25 * max(durations, default=120.0) + 30.0
+        durations = [e["eval_s"] for e in evals if e.get("label") not in ("naive_rag", "rl") and "eval_s" in e]
+        return 1.25 * (durations[-1] if durations else 120.0) + 30.0
 
 
 def _write_sample(path: Path, trajectories, chat) -> None:
