@@ -41,7 +41,8 @@ def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: 
     return path.name
 
 
-def _eval_records(run: Path, label: str, summary: dict) -> dict[str, float]:
+def eval_records(run: Path, label: str, summary: dict) -> dict[str, float]:
+    """task id -> EM of the evaluation `label` whose summary is `summary` (written by the supervisor)."""
     path = run / "evals" / f"{label}-v{summary.get('served_version')}.jsonl"
     return {r["task_id"]: r["em"] for r in _jsonl(path)}
 
@@ -119,7 +120,7 @@ def write_report(run_dir: str | Path) -> Path:
         lines += ["", f"EM gain over Base Tool Call: **{phases['final']['em'] - base['base_tool_call']['em']:+.3f}**"]
     if phases.get("sft") and phases.get("final"):
         lines.append(f"EM gain of the RL phase over the SFT-only checkpoint: **{phases['final']['em'] - phases['sft']['em']:+.3f}**")
-        paired = paired_comparison(_eval_records(run, "sft", phases["sft"]), _eval_records(run, "final", phases["final"]))
+        paired = paired_comparison(eval_records(run, "sft", phases["sft"]), eval_records(run, "final", phases["final"]))
         if paired:
             lines.append(f"Question by question (same {paired['n']} held-out questions): RL right where SFT was wrong "
                          f"{paired['gained']}, SFT right where RL is wrong {paired['lost']}; exact two-sided sign test "

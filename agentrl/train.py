@@ -341,8 +341,9 @@ async def evaluate(conn: Connections, tasks: list, label: str) -> tuple[dict, li
 
     versions_before = [await s.client.weight_version() for s in conn.pool.servers if s.alive]
     t0 = time.perf_counter()
-    # Pushes may keep KV computed under earlier weights (learner `recompute_kv_on_push = false`);
-    # an evaluation starts from none.
+    # Pushes may keep KV computed under earlier weights (learner `kv_refresh_every` > 1); an
+    # evaluation starts from none. During RL the learner goes on pushing while it runs, so an RL-phase
+    # evaluation is a mixture of versions (its summary records the version served at its start).
     await asyncio.gather(*(reset_kv_cache(url) for url in conn.pool.live_servers))
     orch = Orchestrator(conn.env, conn.pool.generate, collect,
                         OrchestratorConfig(group_size=1, max_concurrent_episodes=256, sampling=SamplingConfig(temperature=0.0)),
@@ -392,7 +393,8 @@ class Supervisor:
         os.replace(tmp, self.phases_path)
 
     def _log_eval(self, summary: dict, trajectories: list | None = None) -> None:
-        if not self.config.eval.in_budget and hasattr(self, "deadline"):
+        if not self.config.eval.in_budget and summary["label"] in ("sft", "final"):
+            # Outside the budget; an RL-phase evaluation is not added back: training goes on meanwhile.
             self.deadline += summary["eval_s"]
         with open(self.out / "evals.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
@@ -590,6 +592,7 @@ class Supervisor:
         learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
+        last_rl_eval_s = self._final_eval_reserve_s()
         try:
             def rl_end() -> float:  # an evaluation outside the budget moves the deadline
                 return self.deadline - self._final_eval_reserve_s()
@@ -611,9 +614,12 @@ class Supervisor:
                           flush=True)
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
-                if time.monotonic() >= next_eval and time.monotonic() + self._final_eval_reserve_s() < rl_end():
+                # An RL-phase evaluation runs beside the actor and the learner and takes longer than a
+                # clean one: start one only if (1.25 x the last one) still fits before the reserve.
+                if time.monotonic() >= next_eval and time.monotonic() + 1.25 * last_rl_eval_s < rl_end():
                     summary, trajs = await evaluate(self.conn, self.heldout, "rl")
                     self._log_eval(summary, trajs)
+                    last_rl_eval_s = summary["eval_s"]
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:
             # In threads: the event loop must keep answering the tool services' heartbeats.
@@ -626,7 +632,7 @@ class Supervisor:
         """Time to keep for stopping the RL processes (the learner checkpoints on SIGTERM: ~10 s)
         and the final evaluation: 1.25 x the latest evaluation that ran with the server to itself
         (after SFT, else the baseline; evaluations during RL share it with the actor and run
-        slower), plus 30 s. None when evaluations are outside the budget."""
+        slower), plus 30 s. 0 when evaluations are outside the budget."""
         if not self.config.eval.in_budget:
             return 0.0
         path = self.out / "evals.jsonl"
@@ -783,13 +789,9 @@ def main(argv: list[str]) -> int:
         "out": str(out),
     }
     if "sft" in phases:
-        from agentrl.report import paired_comparison
+        from agentrl.report import eval_records, paired_comparison
 
-        def records(label: str) -> dict:
-            path = out / "evals" / f"{label}-v{phases[label]['served_version']}.jsonl"
-            return {r["task_id"]: r["em"] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
-
-        paired = paired_comparison(records("sft"), records("final"))
+        paired = paired_comparison(eval_records(out, "sft", phases["sft"]), eval_records(out, "final", phases["final"]))
         if paired:
             summary |= {"rl_vs_sft_gained": paired["gained"], "rl_vs_sft_lost": paired["lost"],
                         "rl_vs_sft_p_value": round(paired["p_value"], 4)}

@@ -42,11 +42,12 @@ class ProcessRewardConfig:
     """Once per distinct tool used successfully in the episode, from the second distinct tool on."""
     no_action: float = -0.1
     """A turn with neither a tool call nor an answer."""
-    no_answer: float = -0.5
+    no_answer: float = 0.0
     """Once, on the last turn, when the episode ends without an answer (turn or token limit; not
-    an infrastructure failure). Without it the per-call terms make searching until the turns run
-    out pay better than answering: seen in a CPU run (process weight 0.55), tool calls per episode
-    went from 1.4 to 3.5 and the sampled EM from 0.25 to 0 within 12 RL steps."""
+    an infrastructure failure); 0 = not charged. With per-call terms and no such cost, searching
+    until the turns run out can pay better than answering: seen in a CPU run (process weight 0.55),
+    tool calls per episode went from 1.4 to 3.5 and the sampled EM from 0.25 to 0 within 12 RL
+    steps. The CPU default sets -0.5."""
 
     def value(self, term: str) -> float:
         return float(getattr(self, term))

@@ -11,10 +11,15 @@ A push, in order:
    requests keep the keys and values computed so far and continue under the new weights, and the
    prefix cache keeps its blocks (PipelineRL's in-flight update). The second is inexact in a way
    the learner corrects: the behavior log-probs vLLM returns are those of the distribution that
-   actually sampled, and the decoupled objective's importance weight uses them. It matters on CPU:
-   recomputing ~16 in-flight 600-token contexts costs the 2-core server ~20 s of prefill per push,
-   more than the time between pushes when an evaluation's 96 requests are in flight too. Call
-   `reset_kv_cache` before a measurement that must see only the new weights (an evaluation).
+   actually sampled, and the decoupled objective's importance weight uses them. But the version
+   labels then understate staleness: the shared prompt's prefix-cache blocks are hit by every
+   request and never evicted, so without a periodic full clear new episodes would condition on
+   prompt keys from arbitrarily old weights. The learner therefore clears fully every
+   `kv_refresh_every` pushes (learner/publish.py), which bounds the age of reused keys to that many
+   versions. It matters on CPU: recomputing ~16 in-flight 600-token contexts costs the 2-core
+   server ~20 s of prefill per push, more than the time between pushes when an evaluation's 96
+   requests are in flight too. Call `reset_kv_cache` before a measurement that must see only the
+   new weights (an evaluation).
 4. apply: layer-wise reload from the staged tensors (the only reload path that works on the CPU
    worker; about 0.35 s for 135M parameters).
 5. set the weight-version label (the learner step), so tokens sampled from now on carry it.
@@ -127,15 +132,18 @@ async def push_weights(
 
 
 async def reset_kv_cache(base_url: str, *, timeout_s: float = 60.0) -> None:
-    """Drop the server's KV and prefix caches (running requests are kept and recompute), so that
-    nothing it generates from now on reuses keys and values computed under earlier weights."""
+    """Drop the server's KV and prefix caches (running requests are preempted and recompute), so
+    that nothing it generates from now on reuses keys and values computed under earlier weights.
+    Uses the dev endpoint `/reset_prefix_cache?reset_running_requests=true`, which does not touch
+    the pause state a concurrent push relies on."""
     base_url = base_url.rstrip("/")
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true"})
-            await _post(session, base_url + "/resume")
-    except aiohttp.ClientError as err:
+            answer = await _post(session, base_url + "/reset_prefix_cache", params={"reset_running_requests": "true"})
+    except (aiohttp.ClientError, TimeoutError) as err:
         raise WeightPushError(f"cache reset on {base_url} failed: {type(err).__name__}: {err}") from err
+    if not answer.get("success"):
+        raise WeightPushError(f"cache reset on {base_url} refused: {answer}")
 
 
 def push_main(argv: list[str]) -> int:

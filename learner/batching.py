@@ -163,6 +163,10 @@ def _shared_prefix_len(token_ids: Sequence[np.ndarray]) -> int:
 
 PACKED_ATTENTION = "agentrl_packed"
 
+SHARED_PREFIX_MODEL_TYPES = ("llama", "qwen2", "mistral")
+"""Decoder-only models whose `model.forward` is embed -> rotary -> layers -> norm (no embedding
+scale, no per-layer masks): `PackedPolicy._shared_prefix_forward` reproduces exactly that."""
+
 
 def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, position_ids=None, **kwargs):
     """Causal attention per sequence of a packed row; query [1, Hq, L, D], key/value [1, Hkv, P + L, D].
@@ -253,8 +257,11 @@ class PackedPolicy(nn.Module):
         So the prefix runs alone through the k frozen layers (keeping its keys and values), the rest
         of every sequence runs packed through them attending to those prefix keys, and the
         trainable top layers get the full row with the prefix's hidden states copied into each
-        sequence: the same numbers as the plain forward (tests/test_learner_trainer.py), with the
-        frozen layers' work cut by (S - 1) x P tokens. With the default CPU recipe (top 8 of 30
+        sequence: the same computation as the plain forward (tests/test_learner_trainer.py: log-probs
+        and gradients within 1e-5 in fp32; in bf16 the differently shaped matmuls round differently,
+        ~1e-3 on log-probs), with the frozen layers' work cut by (S - 1) x P tokens. Only for model
+        types whose decoder forward is exactly embed -> rotary -> layers -> norm with full attention
+        (`SHARED_PREFIX_MODEL_TYPES`, no sliding window); others take the plain path. With the default CPU recipe (top 8 of 30
         layers train; a ~420-token prompt shared by sequences of ~650) that is about 45% of the
         frozen layers' tokens."""
         use_autocast = self.compute_dtype != torch.float32
@@ -276,8 +283,14 @@ class PackedPolicy(nn.Module):
 
     def _frozen_bottom_layers(self) -> int:
         """How many decoder layers from the bottom have no trainable parameter, when the input
-        embedding does not train either (else 0: its gradient flows through every layer)."""
+        embedding does not train either (else 0: its gradient flows through every layer) and the
+        model's forward is one `_shared_prefix_forward` reproduces (else 0)."""
         model = self.lm.model
+        config = self.lm.config
+        full_attention = all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"]))
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+        if config.model_type not in SHARED_PREFIX_MODEL_TYPES or not full_attention or sliding:
+            return 0
         if model.embed_tokens.weight.requires_grad:
             return 0
         count = 0

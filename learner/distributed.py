@@ -58,7 +58,9 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     long instead of waiting forever (gloo enforces it on each receive)."""
     if "RANK" not in os.environ:
         raise RuntimeError("not started by torchrun (RANK unset); run: torchrun --nproc_per_node N ...")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # The learner's tensors live on the CPU (collectives included): gloo for those, nccl for any
+    # CUDA tensor, so the same code runs on a GPU host.
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 

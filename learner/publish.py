@@ -66,11 +66,15 @@ def snapshot_from_policy_state(policy_state: dict[str, torch.Tensor], *, tied: b
 
 
 class WeightPublisher:
-    def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, recompute_kv: bool = True):
+    def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, kv_refresh_every: int = 1):
+        if kv_refresh_every < 1:
+            raise ValueError(f"kv_refresh_every={kv_refresh_every} must be >= 1")
         self.server_urls = list(server_urls)
         self.push_timeout_s = push_timeout_s
-        self.recompute_kv = recompute_kv
-        """Whether running requests recompute their KV under the new weights (engine.weights, step 3)."""
+        self.kv_refresh_every = kv_refresh_every
+        """Every this many pushes, the servers' KV and prefix caches are dropped (running requests
+        recompute under the new weights); the pushes between keep them (engine.weights, step 3)."""
+        self._num_pushes = 0
         self._task: asyncio.Task | None = None
         self.served_version = 0
         self.reports: list[PushReport] = []
@@ -87,11 +91,13 @@ class WeightPublisher:
         from agentrl.engine.weights import push_weights, write_weights
 
         t0 = time.perf_counter()
+        self._num_pushes += 1
+        recompute_kv = self._num_pushes % self.kv_refresh_every == 0
         path = await asyncio.to_thread(write_weights, snapshot)
         write_s = time.perf_counter() - t0
         try:
             results = await asyncio.gather(
-                *(push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=self.recompute_kv)
+                *(push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=recompute_kv)
                   for url in self.server_urls)
             )
         finally:

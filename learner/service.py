@@ -116,10 +116,12 @@ class LearnerConfig:
     """Drop trajectories with an action token more than this many versions behind; None = keep all."""
     publish_every: int = 1
     """Push weights to the servers every this many optimizer steps (0 = never)."""
-    recompute_kv_on_push: bool = True
-    """On a push, running requests recompute their whole context under the new weights (True), or
-    keep the keys and values computed so far and continue under the new weights (False: far less
-    work for a CPU server; the behavior log-probs still describe what sampled). engine/weights.py."""
+    kv_refresh_every: int = 1
+    """Every this many pushes the servers drop their KV and prefix caches, so running requests
+    recompute their contexts under the new weights; the pushes in between keep the keys and values
+    computed so far (far less work for a CPU server; the behavior log-probs still describe what
+    sampled, but reused keys may be up to kv_refresh_every - 1 versions older than the version
+    labels say). 1 = every push (exact). engine/weights.py, step 3."""
     checkpoint_every: int = 10
     """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
     keep_checkpoints: int = 2
@@ -153,6 +155,8 @@ class LearnerConfig:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be > 0")
         if self.publish_every < 0:
             raise ValueError(f"publish_every={self.publish_every} must be >= 0")
+        if self.kv_refresh_every < 1:
+            raise ValueError(f"kv_refresh_every={self.kv_refresh_every} must be >= 1 (1 = drop the servers' KV on every push)")
         if self.publish_every and not self.server_urls:
             raise ValueError("publish_every > 0 needs server_urls (the vLLM servers to push to); or set publish_every = 0")
         if self.mode not in ("rl", "sft"):
@@ -596,7 +600,7 @@ class Learner:
         self._restore()
         self._replay = [gid for gid in self.spool.pending() if gid not in self.ledger]
         self.num_duplicates = 0
-        self.publisher = WeightPublisher(cfg.server_urls, recompute_kv=cfg.recompute_kv_on_push) if cfg.publish_every else None
+        self.publisher = WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.kv_refresh_every) if cfg.publish_every else None
         self.receiver = GroupReceiver(cfg.group_endpoint)
         self.version_pub = VersionPublisher(cfg.version_endpoint) if cfg.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,

@@ -240,7 +240,8 @@ class Trainer:
             if self.reference is not None:
                 with torch.no_grad():
                     ref_N, _, _ = self.reference(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
-                                                 temperature=cfg.temperature, with_entropy=False)
+                                                 temperature=cfg.temperature, with_entropy=False,
+                                                 shared_prefix_len=mb.shared_prefix_len if cfg.share_prefix else 0)
             mask_N = torch.ones(mb.num_action_tokens, dtype=torch.bool)
             entropy_arg = entropy_N if cfg.loss.entropy_coef > 0 else entropy_N.detach()
             loss, stats = self._loss(

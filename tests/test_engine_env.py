@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from agentrl.engine import rewards as R
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_gold_trajectory, run_episode
@@ -136,7 +137,7 @@ async def test_cut_after_answer_keeps_exact_prefix_of_generated_ids(chat, world_
 
 async def test_limits_truncate_and_duplicates_cost(chat, world_tasks):
     world, tasks = world_tasks
-    env = make_env(chat, world, max_turns=3, max_calls_per_turn=1)
+    env = make_env(chat, world, max_turns=3, max_calls_per_turn=1, rewards=R.ProcessRewardConfig(no_answer=-0.5))
     call = '<tool_call>{"name": "search", "arguments": {"query": "founder"}}</tool_call>'
     traj = await run_episode(env, tasks[0], ScriptedPolicy(env, [call + call, call, call]), SamplingConfig(), group_id="g")
     assert traj.status == "truncated" and len(traj.turns) == 3

@@ -74,28 +74,59 @@ def _shared_prefix_groups(prefix_len: int):
     return groups
 
 
-@pytest.mark.parametrize("train_layers", [1, 2])
-def test_shared_prefix_forward_gives_the_same_logprobs_and_gradients(train_layers):
+@pytest.mark.parametrize("train_layers, dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
+def test_shared_prefix_forward_gives_the_same_logprobs_and_gradients(train_layers, dtype):
     samples = _samples(_shared_prefix_groups(prefix_len=11))
     [mb] = build_micro_batches(samples, max_row_tokens=10_000)
     assert mb.shared_prefix_len == 11 and mb.num_seqs == 6
     [one_group] = build_micro_batches(samples[:3], max_row_tokens=10_000)
     assert one_group.shared_prefix_len == 17  # system prompt + the group's question
+    # bf16: matmuls of different shapes round differently (prefix alone vs inside the row).
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     results = []
     for share in (False, True):
         model = tiny_llama(VOCAB, num_layers=3)
         set_trainable(model, train_layers, train_embeddings=False)
-        policy = PackedPolicy(model, kernels="reference")
+        policy = PackedPolicy(model, kernels="reference", compute_dtype=dtype)
         assert policy._frozen_bottom_layers() == 3 - train_layers
         logprobs, entropy, _ = policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
                                       shared_prefix_len=mb.shared_prefix_len if share else 0)
         (logprobs.sum() + entropy.sum()).backward()
         results.append((logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (plain_lp, plain_grads), (shared_lp, shared_grads) = results
-    torch.testing.assert_close(shared_lp, plain_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared_lp, plain_lp, **tol)
     assert shared_grads.keys() == plain_grads.keys() and plain_grads
     for name in plain_grads:
-        torch.testing.assert_close(shared_grads[name], plain_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(shared_grads[name], plain_grads[name], **tol, msg=name)
+
+
+def test_shared_prefix_forward_when_a_sequence_is_the_prefix_plus_one_token():
+    groups = _shared_prefix_groups(prefix_len=11)
+    long, short = groups[0].trajectories[0], groups[0].trajectories[1]
+    cut = 18  # a 17-token shared prompt (system + question) and one action token
+    short.token_ids, short.is_action = short.token_ids[:cut].copy(), short.is_action[:cut].copy()
+    short.is_action[-1] = 1
+    short.behavior_logprobs, short.policy_versions = short.behavior_logprobs[:cut].copy(), short.policy_versions[:cut].copy()
+    short.turns = [type(short.turns[0])(cut - 1, cut, cut, {})]
+    samples = _samples([type(groups[0])("g", "t", [long, short])])
+    [mb] = build_micro_batches(samples, max_row_tokens=10_000)
+    assert mb.shared_prefix_len == cut - 1
+    out = []
+    for share in (False, True):
+        model = tiny_llama(VOCAB, num_layers=3)
+        set_trainable(model, 1, train_embeddings=False)
+        policy = PackedPolicy(model, kernels="reference")
+        with torch.no_grad():
+            out.append(policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
+                              shared_prefix_len=mb.shared_prefix_len if share else 0)[0])
+    torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prefix_is_not_used_for_unknown_model_types():
+    model = tiny_llama(VOCAB, num_layers=3)
+    set_trainable(model, 1, train_embeddings=False)
+    model.config.model_type = "gemma"  # its forward scales the embedding: not the path we reproduce
+    assert PackedPolicy(model, kernels="reference")._frozen_bottom_layers() == 0
 
 
 def test_no_shared_prefix_when_sequences_differ_from_the_first_token():

@@ -60,7 +60,7 @@ class ProcessValues:
     malformed_call: float = -0.2
     over_limit: float = -0.1
     no_action: float = -0.1
-    no_answer: float = -0.5
+    no_answer: float = 0.0
 
 
 @dataclass
