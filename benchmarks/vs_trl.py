@@ -238,8 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", choices=("agentrl", "trl"), default=None, help="run one side only (development)")
     parser.add_argument("--prompts-per-step", type=int, default=2,
                         help="TRL: questions per GRPO optimizer step (x group size = episodes per step); "
-                             "2 x 8 = 16 episodes, about agentrl's 8192 tokens per step")
-    parser.add_argument("--heldout-num", type=int, default=None, help="held-out questions (default: the config's, 48)")
+                             "with the default's groups of 6: 12 episodes, about agentrl's 8192 tokens per step")
+    parser.add_argument("--heldout-num", type=int, default=None, help="held-out questions (default: the config's; 96 in the CPU default)")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error("--minutes must be > 0")
