@@ -28,6 +28,7 @@ observation positions never reach the LM head, so they get no gradient through i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -87,6 +88,14 @@ class MicroBatch:
     @property
     def num_action_tokens(self) -> int:
         return int(self.targets_N.shape[0])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch with every tensor on `device` (the same tensors when already there: on
+        the CPU nothing is copied). Rows are built on the CPU from numpy and moved right before use,
+        so only the micro-batch in flight occupies accelerator memory."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 def pack_first_fit(lengths: Sequence[int], max_row_tokens: int) -> list[list[int]]:
@@ -266,7 +275,8 @@ class PackedPolicy(nn.Module):
         frozen layers' tokens."""
         use_autocast = self.compute_dtype != torch.float32
         frozen = self._frozen_bottom_layers() if shared_prefix_len > 0 else 0
-        with torch.autocast("cpu", dtype=self.compute_dtype, enabled=use_autocast):
+        # Autocast where the row is (bf16 matmuls over fp32 master weights on the CPU and on CUDA alike).
+        with torch.autocast(input_ids_L.device.type, dtype=self.compute_dtype, enabled=use_autocast):
             if frozen:
                 hidden = self._shared_prefix_forward(input_ids_L, position_ids_L, shared_prefix_len, frozen)
             else:

@@ -21,7 +21,14 @@ The learner service under torchrun (`service.py` docstring) uses `RankGroup` (ra
 the other ranks), `full_state` / `load_full_state` (full state dicts gathered to and broadcast from
 rank 0) and `init_distributed(timeout_s)` (the process group's timeout bounds every collective).
 
-Backend: gloo on CPU (tests: 2 processes), nccl where CUDA exists.
+Backend: gloo on CPU (tests: 2 processes); where CUDA exists "cpu:gloo,cuda:nccl", so each
+collective runs on the backend of its tensors' device. What runs where on a GPU learner
+(`LearnerConfig.device`, each rank on `cuda:{LOCAL_RANK}`): FSDP's all-gathers and reduce-scatters
+move CUDA parameters and gradients (nccl; the FSDP mesh is built on the learner's device, see
+`shard_policy`); everything else is CPU and goes through gloo: `RankGroup`'s object collectives
+(rank 0's commands and sample shares: pickled bytes, `OBJECT_DEVICE`), the scalar sums of
+`trainer._global_sum`, the micro-batch count of `equalise_micro_batches`, and the state-dict gathers
+(`cpu_offload=True`).
 
 `python -m agentrl.learner.distributed --out FILE` (under torchrun) is the equivalence check the
 tests run: one optimizer step on each fixed batch (`CHECK_BATCHES`) of a tiny model, sharded over
@@ -50,14 +57,22 @@ from torch.distributed.checkpoint.state_dict import (
 
 from agentrl.learner.batching import MicroBatch, PackedPolicy, Sample, build_micro_batches, pack_first_fit
 
+OBJECT_DEVICE = torch.device("cpu")
+"""Where object collectives serialise: the CPU (gloo), also on a GPU host. torch would pick the CPU
+for the "cpu:gloo,cuda:nccl" pair by itself; `broadcast_object_list` is told explicitly, and
+`scatter_object_list` / `gather_object` (no device argument) rely on that pick."""
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+
+def init_distributed(timeout_s: float = 600.0, device: torch.device | None = None) -> tuple[int, int]:
     """(rank, world size) from torchrun's environment; initialises the process group.
 
     `timeout_s` bounds every collective: a rank whose peer died or hangs raises after at most this
-    long instead of waiting forever (gloo enforces it on each receive)."""
+    long instead of waiting forever (gloo enforces it on each receive). A CUDA `device` becomes the
+    current device first, so that nccl and FSDP use this rank's GPU and no other."""
     if "RANK" not in os.environ:
         raise RuntimeError("not started by torchrun (RANK unset); run: torchrun --nproc_per_node N ...")
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
     # The learner's tensors live on the CPU (collectives included): gloo for those, nccl for any
     # CUDA tensor, so the same code runs on a GPU host.
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -70,18 +85,26 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
-def shard_policy(policy: PackedPolicy) -> PackedPolicy:
+def shard_policy(policy: PackedPolicy, device: torch.device | None = None) -> PackedPolicy:
     """FSDP2 over what trains; frozen parameters (`train_layers`, `train_embeddings`) stay whole on
     every rank: they have no gradient to reduce and no optimizer state to shard, and a fully frozen
     FSDP unit deadlocked here (its backward prefetch all-gather is never matched on the other rank:
-    gloo timeout at the second step with one micro-batch per rank and train_layers = 1)."""
+    gloo timeout at the second step with one micro-batch per rank and train_layers = 1).
+
+    `device`: where the policy already is (the learner moves it first); the FSDP mesh is built for
+    that device type. None = torch's default mesh, which is CUDA whenever CUDA exists: FSDP would
+    then move a CPU policy onto the GPU, away from its CPU micro-batches."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = None
+    if device is not None:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     frozen = {p for p in policy.parameters() if not p.requires_grad}
     for layer in policy.lm.model.layers:
         if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, ignored_params=frozen & set(layer.parameters()) or None)
-    fully_shard(policy, ignored_params=frozen or None)
+            fully_shard(layer, mesh=mesh, ignored_params=frozen & set(layer.parameters()) or None)
+    fully_shard(policy, mesh=mesh, ignored_params=frozen or None)
     return policy
 
 
@@ -186,17 +209,17 @@ class RankGroup:
     def send(self, op: str, payload: Any = None) -> None:
         if not self.is_leader:
             raise RuntimeError("only rank 0 sends commands")
-        torch.distributed.broadcast_object_list([op, payload], src=0)
+        torch.distributed.broadcast_object_list([op, payload], src=0, device=OBJECT_DEVICE)
 
     def recv(self) -> tuple[str, Any]:
         message: list[Any] = [None, None]
-        torch.distributed.broadcast_object_list(message, src=0)
+        torch.distributed.broadcast_object_list(message, src=0, device=OBJECT_DEVICE)
         return message[0], message[1]
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
         box = [obj if self.is_leader else None]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, device=OBJECT_DEVICE)
         return box[0]
 
     def scatter(self, objs: Sequence[Any] | None) -> Any:

@@ -130,14 +130,46 @@ class Ledger:
         return cls(trained=dict(data["trained"]), rejected=dict(data["rejected"]))
 
 
-def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """The generators' states; with a CUDA `device` also that device's generator ("cuda")."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Inverse of `rng_state`. A "cuda" entry is restored onto a CUDA `device`; on the CPU there is no
+    CUDA generator to restore it into (a GPU run resumed on the CPU), and a checkpoint without one
+    (a CPU run resumed on a GPU) leaves the CUDA generator as `torch.manual_seed` set it."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def to_cpu(obj: Any) -> Any:
+    """`obj` with every tensor inside (dicts, lists, tuples) on the CPU; CPU tensors are kept as they
+    are, so a CPU learner's state is saved unchanged. Tensors sharing one CUDA storage (a tied
+    embedding / LM head) stay shared on the CPU: the checkpoint holds the matrix once."""
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "cpu":
+                return x
+            key = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
+            if key not in copies:
+                copies[key] = x.detach().cpu()
+            return copies[key]
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(move(v) for v in x)
+        return x
+
+    return move(obj)
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:
@@ -149,7 +181,8 @@ def checkpoint_dirs(root: Path) -> list[Path]:
 
 
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], *, keep: int) -> Path:
-    """Write `state` (torch-serialisable) as checkpoint `step` atomically; keep the newest `keep`."""
+    """Write `state` (torch-serialisable) as checkpoint `step` atomically; keep the newest `keep`.
+    Tensors are written from the CPU (`to_cpu`): a checkpoint loads on any host."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{CHECKPOINT_PREFIX}{step:08d}"
     tmp = root / f".tmp-{final.name}"
@@ -157,7 +190,7 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], *, keep: int) 
         shutil.rmtree(tmp)
     tmp.mkdir()
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save(to_cpu(state), buf)
     with open(tmp / "state.pt", "wb") as f:
         f.write(buf.getbuffer())
         f.flush()
@@ -178,4 +211,6 @@ def load_latest_checkpoint(root: Path) -> dict[str, Any] | None:
     dirs = checkpoint_dirs(root)
     if not dirs:
         return None
-    return torch.load(dirs[-1] / "state.pt", weights_only=False)
+    # On the CPU: the learner moves what it loads to its device (load_state_dict copies into the
+    # parameters; the optimizer casts its state to each parameter's device).
+    return torch.load(dirs[-1] / "state.pt", weights_only=False, map_location="cpu")

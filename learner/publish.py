@@ -36,7 +36,10 @@ class PushReport:
 
 
 def snapshot_weights(causal_lm: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Checkpoint-named copy of the weights, in `dtype`, without the tied LM head."""
+    """Checkpoint-named copy of the weights, in `dtype`, on the CPU, without the tied LM head.
+
+    On the CPU, not where the model is: the copy waits there for the background write (a GPU
+    learner keeps no second copy of the weights in accelerator memory while the next step trains)."""
     tied = bool(getattr(causal_lm.config, "tie_word_embeddings", False))
     out = {}
     with torch.no_grad():
@@ -45,7 +48,7 @@ def snapshot_weights(causal_lm: nn.Module, dtype: torch.dtype = torch.bfloat16) 
                 continue
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
-            out[name] = tensor.detach().to(dtype=dtype, copy=True)
+            out[name] = tensor.detach().to(device="cpu", dtype=dtype, copy=True)
     return out
 
 
@@ -53,7 +56,7 @@ def snapshot_from_policy_state(policy_state: dict[str, torch.Tensor], *, tied: b
                                dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """`snapshot_weights` from a full `PackedPolicy` state dict (the sharded learner's gather):
     the causal LM's entries under `prefix`, renamed to checkpoint names, in `dtype`, without the
-    tied LM head; the value head is the learner's own and is not sent."""
+    tied LM head, on the CPU; the value head is the learner's own and is not sent."""
     out = {}
     for name, tensor in policy_state.items():
         if not name.startswith(prefix):
@@ -61,7 +64,7 @@ def snapshot_from_policy_state(policy_state: dict[str, torch.Tensor], *, tied: b
         name = name[len(prefix):]
         if tied and name == "lm_head.weight":
             continue
-        out[name] = tensor.detach().to(dtype=dtype, copy=True)
+        out[name] = tensor.detach().to(device="cpu", dtype=dtype, copy=True)
     return out
 
 

@@ -141,6 +141,11 @@ class LearnerConfig:
     kl_reference: bool = False
     """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0)."""
     seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy (and value head, KL reference) trains: "auto" = "cuda" when torch sees a
+    GPU, else "cpu". On CUDA each torchrun rank uses cuda:{LOCAL_RANK} (one process per GPU), one
+    process cuda:0 of what CUDA_VISIBLE_DEVICES shows. Checkpoints and published weights are CPU
+    tensors either way. "cuda" without a GPU fails at start (`resolve_device`)."""
     dist_timeout_s: float = 600.0
     """Under torchrun: the longest any collective may wait for another rank (s); a rank whose peer
     died or hangs fails after at most this. Rank 0 sends a heartbeat every quarter of it while it
@@ -165,6 +170,36 @@ class LearnerConfig:
             raise ValueError("trainer.loss.kl_coef > 0 needs kl_reference = true")
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s={self.dist_timeout_s} must be > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu' or 'cuda' (under torchrun each rank "
+                             "takes cuda:{LOCAL_RANK}; pick GPUs with CUDA_VISIBLE_DEVICES)")
+
+
+def pick_device(name: str, num_cuda_devices: int, local_rank: int | None) -> torch.device:
+    """The device for `LearnerConfig.device` on a host with `num_cuda_devices` visible GPUs;
+    `local_rank` is torchrun's LOCAL_RANK (None for one process). Pure: `resolve_device` feeds it."""
+    if name == "cpu" or (name == "auto" and num_cuda_devices == 0):
+        return torch.device("cpu")
+    if name not in ("auto", "cuda"):
+        raise ValueError(f"device={name!r}: choose 'auto', 'cpu' or 'cuda'")
+    if num_cuda_devices == 0:
+        raise RuntimeError(
+            f"device = 'cuda' but torch sees no CUDA device (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set "
+            "device = 'cpu' (or 'auto') in the learner config, or run on a GPU host with a CUDA build of torch")
+    index = local_rank or 0
+    if index >= num_cuda_devices:
+        raise RuntimeError(
+            f"torchrun LOCAL_RANK={index} but only {num_cuda_devices} CUDA device(s) are visible: one learner "
+            f"rank per GPU, so start at most --nproc_per_node {num_cuda_devices} (or set device = 'cpu')")
+    return torch.device("cuda", index)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`pick_device` for this process (torchrun's LOCAL_RANK, the GPUs torch sees)."""
+    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ and "LOCAL_RANK" in os.environ else None
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pick_device(name, num_gpus, local_rank)
 
 
 def load_config(path: str | Path) -> LearnerConfig:
@@ -195,6 +230,7 @@ class Learner:
         """None: one process. Otherwise this rank's place under torchrun (rank 0 runs `run`, the
         others `follow`)."""
         self.rank = group.rank if group is not None else 0
+        self.device = resolve_device(config.device)
         self._heartbeat_s = config.dist_timeout_s / 4 if group is not None else None
         self.out = Path(config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -225,13 +261,17 @@ class Learner:
         value_head = cfg.trainer.advantage.estimator == "gae" and cfg.mode == "rl"
         policy = PackedPolicy(model, value_head=value_head, kernels=cfg.trainer.kernels,
                               compute_dtype=cfg.trainer.compute_dtype)
+        # Onto the device before sharding (FSDP shards what is on the mesh's device) and before the
+        # optimizer exists (AdamW's state follows its parameters). In place: self.model moves too.
+        policy.to(self.device)
         if self.group is not None:
             # Before the optimizer exists, so that each rank's AdamW state covers its shard only.
-            shard_policy(policy)
+            shard_policy(policy, self.device)
         reference = None
         if cfg.kl_reference:
             ref_model = self._load_model().requires_grad_(False).eval()
             reference = PackedPolicy(ref_model, kernels=cfg.trainer.kernels, compute_dtype=cfg.trainer.compute_dtype)
+            reference.to(self.device)
         self.trainer = Trainer(policy, cfg.trainer, reference=reference)
 
     def _restore(self) -> None:
@@ -246,10 +286,13 @@ class Learner:
         written_by = int(state.get("world_size", 1))
         if written_by != 1:
             raise RuntimeError(world_size_mismatch(self.out / "checkpoints", written_by, 1))
+        # The state is on the CPU (ledger.load_latest_checkpoint): load_state_dict copies it into the
+        # parameters where they are, and the optimizer casts its moments to each parameter's device
+        # (AdamW's `step` counters stay CPU tensors, where the non-fused AdamW keeps them).
         self.trainer.policy.load_state_dict(state["policy"])
         self.trainer.optimizer.load_state_dict(state["optimizer"])
         self.trainer.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], self.device)
         self.step = int(state["step"])
         self.ledger = Ledger.from_dict(state["ledger"])
         print(f"learner: resumed from checkpoint at step {self.step} "
@@ -298,7 +341,7 @@ class Learner:
             load_full_state(self.trainer.policy, state["policy"] if leader else {},
                             self.trainer.optimizer, state["optimizer"] if leader else {})
             self.trainer.scheduler.load_state_dict(plan["scheduler"])
-            set_rng_state(self.group.scatter(state["rng_ranks"] if leader else None))
+            set_rng_state(self.group.scatter(state["rng_ranks"] if leader else None), self.device)
             if leader:
                 self.ledger = Ledger.from_dict(state["ledger"])
         self.step = plan["step"]
@@ -341,7 +384,7 @@ class Learner:
             "policy": self.trainer.policy.state_dict(),
             "optimizer": self.trainer.optimizer.state_dict(),
             "scheduler": self.trainer.scheduler.state_dict(),
-            "rng": rng_state(),
+            "rng": rng_state(self.device),
             "step": self.step,
             "version": self.step,
             "ledger": self.ledger.to_dict(),
@@ -359,7 +402,7 @@ class Learner:
         world sizes). A sharded save would only pay off for models that do not fit rank 0's RAM."""
         self._lead("checkpoint")
         policy_state, optim_state = full_state(self.trainer.policy, self.trainer.optimizer)
-        rngs = self.group.gather(rng_state())
+        rngs = self.group.gather(rng_state(self.device))
         if not self.group.is_leader:
             return None
         state = {
@@ -681,9 +724,14 @@ def main(argv: list[str]) -> int:
     except (ValueError, TypeError, OSError, tomllib.TOMLDecodeError) as err:
         print(f"agentrl learner: bad config: {err}", file=sys.stderr)
         return 2
+    try:
+        device = resolve_device(config.device)
+    except RuntimeError as err:
+        print(f"agentrl learner: bad config: {err}", file=sys.stderr)
+        return 2
     if launched_world_size() == 1:
         return asyncio.run(Learner(config).run())
-    rank, world = init_distributed(config.dist_timeout_s)
+    rank, world = init_distributed(config.dist_timeout_s, device)
     print(f"learner rank {rank}/{world} pid {os.getpid()}", file=sys.stderr, flush=True)
     learner = Learner(config, RankGroup(rank, world))
     try:

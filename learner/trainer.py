@@ -173,6 +173,10 @@ class Trainer:
             raise ValueError("loss.kl_coef > 0 needs a frozen reference policy (reference=...)")
         if config.advantage.estimator == "gae" and policy.value_head is None:
             raise ValueError("the 'gae' estimator needs a value head: build PackedPolicy(..., value_head=True)")
+        self.device = next(policy.parameters()).device
+        """Where the policy lives; each micro-batch moves here right before its forward (rows are
+        built on the CPU). Scalars come back through float(), the loss kernels run where the
+        log-probs are (Triton on CUDA, torch on the CPU: kernels/)."""
         params = [p for p in policy.parameters() if p.requires_grad]
         if not params:
             raise ValueError("no trainable parameters: check train_layers / train_embeddings")
@@ -193,10 +197,10 @@ class Trainer:
         self, mb: MicroBatch, values_N: torch.Tensor, weights: RewardWeights
     ) -> tuple[torch.Tensor, torch.Tensor]:
         adv_cfg = self.config.advantage
-        values = values_N.detach().float().numpy()
+        values = values_N.detach().float().cpu().numpy()
         adv_N = np.zeros_like(values)
         ret_N = np.zeros_like(values)
-        seq_ids = mb.seq_ids_N.numpy()
+        seq_ids = mb.seq_ids_N.cpu().numpy()
         for s_idx, sample in enumerate(mb.samples):
             rows = np.flatnonzero(seq_ids == s_idx)
             traj = sample.trajectory
@@ -207,7 +211,7 @@ class Trainer:
             adv_T, ret_T = gae(rewards_T, values_T, traj.is_action, adv_cfg.gamma, adv_cfg.lam)
             adv_N[rows] = adv_T[action_T]
             ret_N[rows] = ret_T[action_T]
-        return torch.from_numpy(adv_N), torch.from_numpy(ret_N)
+        return torch.from_numpy(adv_N).to(values_N.device), torch.from_numpy(ret_N).to(values_N.device)
 
     def rl_step(self, micro_batches: list[MicroBatch], reward_weights: RewardWeights | None = None) -> StepStats:
         """Accumulate the decoupled-PPO gradient over the micro-batches, then one optimizer step.
@@ -230,6 +234,7 @@ class Trainer:
         for mb in micro_batches:
             if mb.num_action_tokens == 0 and world == 1:
                 continue
+            mb = mb.to(self.device)
             logprobs_N, entropy_N, values_N = self._forward(mb, with_entropy=True)
             advantages_N = mb.advantages_N
             if values_N is not None and cfg.advantage.estimator == "gae":
@@ -242,7 +247,7 @@ class Trainer:
                     ref_N, _, _ = self.reference(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
                                                  temperature=cfg.temperature, with_entropy=False,
                                                  shared_prefix_len=mb.shared_prefix_len if cfg.share_prefix else 0)
-            mask_N = torch.ones(mb.num_action_tokens, dtype=torch.bool)
+            mask_N = torch.ones(mb.num_action_tokens, dtype=torch.bool, device=self.device)
             entropy_arg = entropy_N if cfg.loss.entropy_coef > 0 else entropy_N.detach()
             loss, stats = self._loss(
                 logprobs_N, logprobs_N.detach(), mb.behavior_logprobs_N, advantages_N, mask_N, mb.seq_ids_N,
@@ -293,6 +298,7 @@ class Trainer:
         for mb in micro_batches:
             if mb.num_action_tokens == 0 and world == 1:
                 continue
+            mb = mb.to(self.device)
             logprobs_N, entropy_N, _ = self._forward(mb, with_entropy=True)
             nll = -logprobs_N.sum() / total_tokens
             (nll * world).backward()
