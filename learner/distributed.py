@@ -268,7 +268,7 @@ def run_check_step(rank: int, world: int, batch: str = "groups") -> dict:
     vocab = 128
     policy = PackedPolicy(tiny_llama(vocab, seed=0), kernels="fused")
     if world > 1:
-        shard_policy(policy)
+        shard_policy(policy, torch.device("cpu"))  # a CPU check on any host (torch's default mesh is CUDA where CUDA exists)
     config = TrainerConfig(precision="fp32", max_row_tokens=64, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0))
     trainer = Trainer(policy, config)
     samples = _check_batch(vocab, batch)

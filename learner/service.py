@@ -96,7 +96,7 @@ from agentrl.learner.ledger import (
 )
 from agentrl.learner.metrics import MetricsWriter
 from agentrl.learner.publish import WeightPublisher, snapshot_from_policy_state, snapshot_weights
-from agentrl.learner.trainer import StepStats, Trainer, TrainerConfig, set_trainable
+from agentrl.learner.trainer import StepStats, Trainer, TrainerConfig, on_device, set_trainable
 
 
 @dataclass
@@ -367,6 +367,7 @@ class Learner:
         if self.group is not None and self.group.is_leader:
             self.group.send(op, payload)
 
+    @on_device  # runs on a worker thread (on_device's docstring)
     def _snapshot(self) -> dict[str, torch.Tensor] | None:
         """The weights to publish (bf16, checkpoint names); collective under torchrun, None off rank 0."""
         if self.group is None:
@@ -574,6 +575,7 @@ class Learner:
             record["time/checkpoint_s"] = time.perf_counter() - t1
         self.metrics.write(self.step, record)
 
+    @on_device  # runs on a worker thread (on_device's docstring)
     def _run_step(self, samples: list[Sample] | None, weights: RewardWeights) -> tuple[StepStats, int]:
         """One optimizer step; (stats, micro-batches per rank). Collective under torchrun: rank 0
         passes the whole batch and sends each rank its share, the others pass None."""

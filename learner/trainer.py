@@ -29,6 +29,7 @@ whether that shared matrix trains; freezing it saves 28M of 135M parameters' opt
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,23 @@ def set_trainable(causal_lm: nn.Module, train_layers: int | str, train_embedding
     return sum(p.numel() for p in {id(p): p for p in causal_lm.parameters() if p.requires_grad}.values())
 
 
+def on_device(method):
+    """Run `method` with `self.device` as the current CUDA device (a no-op on the CPU).
+
+    The learner steps on a worker thread (`asyncio.to_thread`), whose current CUDA device is 0
+    whatever `torch.cuda.set_device` chose on the main thread; Triton launches its kernels on the
+    current device, so rank r > 0 would otherwise launch onto GPU 0 with pointers into GPU r."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.device.type != "cuda":
+            return method(self, *args, **kwargs)
+        with torch.cuda.device(self.device):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def _loss_fn(kernels: Kernels):
     if kernels == "fused":
         from agentrl.kernels.policy_loss import policy_loss
@@ -213,6 +231,7 @@ class Trainer:
             ret_N[rows] = ret_T[action_T]
         return torch.from_numpy(adv_N).to(values_N.device), torch.from_numpy(ret_N).to(values_N.device)
 
+    @on_device
     def rl_step(self, micro_batches: list[MicroBatch], reward_weights: RewardWeights | None = None) -> StepStats:
         """Accumulate the decoupled-PPO gradient over the micro-batches, then one optimizer step.
 
@@ -285,6 +304,7 @@ class Trainer:
             kernel_stats=dict(zip(stats_sum, stat_values, strict=True)),
         )
 
+    @on_device
     def sft_step(self, micro_batches: list[MicroBatch]) -> StepStats:
         """Masked NLL (token mean over action tokens) on gold trajectories; same kernels."""
         t0 = time.perf_counter()
