@@ -180,6 +180,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
             "temperature": config.sampling.temperature, "train_layers": int(train_layers),
             "rl_lr": rl_opt.lr, "rl_warmup_steps": rl_opt.warmup_steps, "grad_clip": rl_opt.grad_clip,
             "eps_low": loss.get("eps_low", 0.2), "eps_high": loss.get("eps_high", 0.28),
+            "std_normalise": rl_learner.get("trainer", {}).get("advantage", {}).get("std_normalise", True),
             "sft_enabled": config.sft.enabled, "sft_steps": config.sft.steps, "sft_lr": sft_opt.lr,
             "sft_warmup_steps": sft_opt.warmup_steps, "sft_tokens_per_step": sft_learner.get("tokens_per_step", 8192),
             "process_values": rewards, "reward_schedule": dataclasses.asdict(schedule),

@@ -317,7 +317,8 @@ def run_grpo(model, tokenizer, prefix: list[dict], train: list[dict], search: Se
         lr_scheduler_type="constant_with_warmup", warmup_steps=recipe["rl_warmup_steps"], weight_decay=0.0,
         max_grad_norm=recipe["grad_clip"], bf16=True, use_cpu=True, temperature=recipe["temperature"], top_p=1.0,
         max_completion_length=max_completion, max_tool_calling_iterations=env["max_turns"] - 1,
-        epsilon=recipe["eps_low"], epsilon_high=recipe["eps_high"], beta=0.0, loss_type="dapo", scale_rewards="group",
+        epsilon=recipe["eps_low"], epsilon_high=recipe["eps_high"], beta=0.0, loss_type="dapo",
+        scale_rewards="group" if recipe.get("std_normalise", True) else "none",
         shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0, seed=recipe["seed"],
         gradient_checkpointing=False,  # as in the SFT phase (and agentrl's learner)
     )
