@@ -664,7 +664,8 @@ class Learner:
             await self.version_pub.start()
             await self.version_pub.publish(self.step, served)
         ranks = f" ranks={self.group.world}" if self.group is not None else ""
-        print(f"READY learner step={self.step} replay={len(self._replay)} endpoint={cfg.group_endpoint}{ranks}",
+        print(f"READY learner step={self.step} replay={len(self._replay)} endpoint={cfg.group_endpoint}{ranks} "
+              f"device={self.device}",
               file=sys.stderr, flush=True)
         try:
             while self.step < cfg.max_steps and not self._stop.is_set():
