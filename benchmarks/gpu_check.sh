@@ -47,7 +47,7 @@ fi
 cat "$RESULTS/env.txt"
 
 rc=0
-"$PY" -m pytest -q -ra -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py tests/test_kernels_triton.py \
+"$PY" -m pytest -q -ra -p no:cacheprovider tests/test_kernels_gpu.py tests/test_kernels.py tests/test_kernels_triton.py tests/test_learner_device.py \
     2>&1 | tee "$RESULTS/tests.txt" || rc=1
 "$PY" benchmarks/kernels.py --device cuda 2> >(tee "$RESULTS/benchmark.txt" >&2) | tee "$RESULTS/benchmark.json" || rc=1
 echo "gpu_check: exit $rc; results in $RESULTS"
