@@ -19,8 +19,8 @@
    synchronous lockstep turns as Agent-R1's legacy rollout does (the whole batch generates, then all
    tools run, then the next turn). Both modes hold at most C requests in flight: streaming pulls the
    episodes through C slots, lockstep runs them as batches of C. Default 32 episodes, C = 8 (the
-   issue's 256 episodes take ~45 minutes of lockstep alone on this machine's server: see main()). Tool latencies are log-normal, sigma 1.0, median equal to the median
-   generation time of one turn measured at that concurrency (a first-turn batch of C); each mode
+   issue's 256 episodes take ~45 minutes of lockstep alone on this machine's server: see main()).
+   Tool latencies are log-normal, sigma 1.0, median equal to the median generation time of one turn measured at that concurrency (a first-turn batch of C); each mode
    draws them from the same seeded generator in call order. Greedy sampling (default) with 40-token
    turns (a search call is ~30 tokens; the budget is kept small so the run fits in minutes). The
    number of tool rounds per episode is reported with the ratio: a turn without a valid call costs
