@@ -1,7 +1,7 @@
 """Rollout engine benchmark: orchestrator capacity, backend utilisation, async vs lockstep.
 
     python benchmarks/rollout.py               # embedded default: about 10 minutes on a 2-core CPU machine
-    python benchmarks/rollout.py --skip-vllm   # capacity only (about 1.5 minutes)
+    python benchmarks/rollout.py --skip-vllm   # capacity only (under a minute)
 
 1. capacity_turns_per_s / cpu_us_per_turn: 4,096 concurrent episodes (1,024 prompts x 4 samples,
    4 turns each) against a STAND-IN token server in its own process (benchmarks/standin_token_server.py:
