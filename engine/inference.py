@@ -142,7 +142,11 @@ class _HTTPConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buffer += data
         if self._answer is None or self._answer.done():
-            return  # unsolicited bytes: kept, and the connection is not reused (see request)
+            # Bytes nobody asked for (a proxy's 408 before it closes, a server bug): the next request
+            # on this connection would read them as its answer. Drop the connection instead.
+            self.closed = True
+            self.transport.close()
+            return
         try:
             answer = self._parse()
         except ValueError as err:
@@ -252,8 +256,10 @@ class VLLMClient:
     async def _connection(self) -> _HTTPConnection:
         while self._idle:
             conn = self._idle.pop()  # most recently used first: the least likely to have been closed by the server
-            if not conn.closed:
+            if not conn.closed and not conn._buffer:
                 return conn
+            if conn.transport is not None:
+                conn.transport.close()
             self._open.discard(conn)
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self._connect_timeout_s):

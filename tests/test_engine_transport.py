@@ -170,7 +170,8 @@ def answer(ids: list[int], spans: list[tuple[int, int, str]]) -> bytes:
 async def http_server():
     """A real HTTP server whose answer to /inference/v1/generate depends on the first prompt id:
     1 -> Content-Length answer, 2 -> chunked answer in pieces, 3 -> Connection: close, 4 -> HTTP 400,
-    5 -> the connection is cut after half the headers. Records the client port of every request."""
+    5 -> the connection is cut after half the headers, 6 -> a normal answer, then an unsolicited
+    second answer on the idle connection. Records the client port of every request."""
     peers: list[int] = []
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -197,6 +198,12 @@ async def http_server():
                                 headers={"Connection": "close"})
         if kind == 4:
             return web.json_response({"error": "prompt too long"}, status=400)
+        if kind == 6:
+            stray = answer([999], [(0, 1, "999")])
+            stray_head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(stray)}\r\n\r\n"
+            transport = request.transport
+            asyncio.get_running_loop().call_later(0.05, lambda: transport.write(stray_head.encode() + stray))
+            return web.Response(body=answer(ids, [(0, len(ids), "6")]), content_type="application/json")
         request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Le")
         request.transport.abort()
         return web.Response()  # goes nowhere: the connection is gone
@@ -246,6 +253,11 @@ async def test_client_separates_rejections_from_unavailability():
             await client.generate([5, 1], SamplingParams(max_tokens=2))
         # The client is still usable afterwards.
         assert (await client.generate([1, 5], SamplingParams(max_tokens=1))).token_ids == [5]
+        # Bytes arriving on an idle connection are never read as a later request's answer.
+        assert (await client.generate([6, 40], SamplingParams(max_tokens=1))).token_ids == [40]
+        await asyncio.sleep(0.3)
+        later = await client.generate([1, 41], SamplingParams(max_tokens=2))
+        assert later.token_ids == [41, 42] and later.versions == [0, 0]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
