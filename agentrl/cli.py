@@ -49,3 +49,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit(143) in the main thread, so the `finally` blocks that stop
+    child servers by PID run (the default action would end the process and orphan them)."""
+    import signal
+
+    def _raise(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)

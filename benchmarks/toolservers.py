@@ -317,6 +317,9 @@ def main(tools: tuple[str, ...] = ("calculator", "search", "python")) -> None:
 
 
 if __name__ == "__main__":
+    from agentrl.cli import exit_on_sigterm
+
+    exit_on_sigterm()
     ap = argparse.ArgumentParser()
     ap.add_argument("--serve-http", choices=("calculator", "search", "python"))
     ap.add_argument("--port", type=int)
