@@ -381,15 +381,14 @@ class Learner:
     def checkpoint(self) -> Path | None:
         if self.group is not None:
             return self._checkpoint_sharded()
-        state = {
-            "policy": self.trainer.policy.state_dict(),
-            "optimizer": self.trainer.optimizer.state_dict(),
-            "scheduler": self.trainer.scheduler.state_dict(),
-            "rng": rng_state(self.device),
-            "step": self.step,
-            "version": self.step,
-            "ledger": self.ledger.to_dict(),
-        }
+        return self._save_checkpoint({"policy": self.trainer.policy.state_dict(), "optimizer": self.trainer.optimizer.state_dict(),
+                                      "rng": rng_state(self.device)})
+
+    def _save_checkpoint(self, state: dict) -> Path:
+        """Write `state` plus scheduler, step, version and ledger atomically; then drop the spooled
+        groups the ledger now accounts for."""
+        state = {**state, "scheduler": self.trainer.scheduler.state_dict(), "step": self.step, "version": self.step,
+                 "ledger": self.ledger.to_dict()}
         path = save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.config.keep_checkpoints)
         self.spool.remove([gid for gid in self.spool.pending() if gid in self.ledger])
         return path
@@ -406,20 +405,8 @@ class Learner:
         rngs = self.group.gather(rng_state(self.device))
         if not self.group.is_leader:
             return None
-        state = {
-            "policy": policy_state,
-            "optimizer": optim_state,
-            "scheduler": self.trainer.scheduler.state_dict(),
-            "rng": rngs[0],
-            "rng_ranks": rngs,
-            "world_size": self.group.world,
-            "step": self.step,
-            "version": self.step,
-            "ledger": self.ledger.to_dict(),
-        }
-        path = save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.config.keep_checkpoints)
-        self.spool.remove([gid for gid in self.spool.pending() if gid in self.ledger])
-        return path
+        return self._save_checkpoint({"policy": policy_state, "optimizer": optim_state, "rng": rngs[0], "rng_ranks": rngs,
+                                      "world_size": self.group.world})
 
     # ---- data ----------------------------------------------------------------------------------
     async def _next_group(self) -> TrajectoryGroup:
