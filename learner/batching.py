@@ -270,9 +270,12 @@ class PackedPolicy(nn.Module):
         and gradients within 1e-5 in fp32; in bf16 the differently shaped matmuls round differently,
         ~1e-3 on log-probs), with the frozen layers' work cut by (S - 1) x P tokens. Only for model
         types whose decoder forward is exactly embed -> rotary -> layers -> norm with full attention
-        (`SHARED_PREFIX_MODEL_TYPES`, no sliding window); others take the plain path. With the default CPU recipe (top 8 of 30
-        layers train; a ~420-token prompt shared by sequences of ~650) that is about 45% of the
-        frozen layers' tokens."""
+        (`SHARED_PREFIX_MODEL_TYPES`, no sliding window); others take the plain path.
+        Measured (benchmarks/learner.py, CPU recipe, rows of 2 sequences of ~695 tokens sharing 420):
+        no gain, 494 vs 506 tokens/s over 2 steps each: the separate prefix pass and the masked
+        per-sequence attention cost about what the saved tokens did. Rows holding more sequences
+        are where it could pay; not measured. `TrainerConfig.share_prefix = false` turns it off.
+        """
         use_autocast = self.compute_dtype != torch.float32
         frozen = self._frozen_bottom_layers() if shared_prefix_len > 0 else 0
         # Autocast where the row is (bf16 matmuls over fp32 master weights on the CPU and on CUDA alike).
