@@ -384,6 +384,10 @@ class Supervisor:
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
+        evals_path = out / "evals.jsonl"
+        # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
+        self.evals: list[dict] = ([json.loads(line) for line in evals_path.read_text().splitlines()]
+                                  if resume and evals_path.exists() else [])
 
     # -- bookkeeping
     def _phase_done(self, name: str, result: dict) -> None:
@@ -393,9 +397,8 @@ class Supervisor:
         os.replace(tmp, self.phases_path)
 
     def _log_eval(self, summary: dict, trajectories: list | None = None) -> None:
-        if not self.config.eval.in_budget and summary["label"] in ("sft", "final"):
-            # Outside the budget; an RL-phase evaluation is not added back: training goes on meanwhile.
-            self.deadline += summary["eval_s"]
+        self.deadline += eval_extends_deadline_s(summary, in_budget=self.config.eval.in_budget)
+        self.evals.append(summary)
         with open(self.out / "evals.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
         if trajectories is not None:  # per question, so the report can pair two evaluations question by question
@@ -614,9 +617,7 @@ class Supervisor:
                           flush=True)
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
-                # An RL-phase evaluation runs beside the actor and the learner and takes longer than a
-                # clean one: start one only if (1.25 x the last one) still fits before the reserve.
-                if time.monotonic() >= next_eval and time.monotonic() + 1.25 * last_rl_eval_s < rl_end():
+                if rl_eval_fits(time.monotonic(), next_eval_s=next_eval, last_rl_eval_s=last_rl_eval_s, rl_end_s=rl_end()):
                     summary, trajs = await evaluate(self.conn, self.heldout, "rl")
                     self._log_eval(summary, trajs)
                     last_rl_eval_s = summary["eval_s"]
@@ -629,16 +630,39 @@ class Supervisor:
 
 
     def _final_eval_reserve_s(self) -> float:
-        """Time to keep for stopping the RL processes (the learner checkpoints on SIGTERM: ~10 s)
-        and the final evaluation: 1.25 x the latest evaluation that ran with the server to itself
-        (after SFT, else the baseline; evaluations during RL share it with the actor and run
-        slower), plus 30 s. 0 when evaluations are outside the budget."""
-        if not self.config.eval.in_budget:
-            return 0.0
-        path = self.out / "evals.jsonl"
-        evals = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        durations = [e["eval_s"] for e in evals if e.get("label") not in ("naive_rag", "rl") and "eval_s" in e]
-        return 1.25 * (durations[-1] if durations else 120.0) + 30.0
+        return final_eval_reserve_s(self.evals, in_budget=self.config.eval.in_budget)
+
+
+# ---------------------------------------------------------------- the time-budget rules
+# `minutes` covers everything after set-up. Three rules keep a run inside it; they are functions of
+# the evaluation summaries so that they can be tested without starting a run.
+
+
+def eval_extends_deadline_s(summary: dict, *, in_budget: bool) -> float:
+    """Seconds an evaluation adds to the deadline. With evaluations outside the budget the
+    before/after evaluations (sft, final) are added back; an RL-phase evaluation is not, because
+    training goes on beside it. The baseline evaluations run before the budget starts."""
+    if in_budget or summary["label"] not in ("sft", "final"):
+        return 0.0
+    return float(summary["eval_s"])
+
+
+def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
+    """Time the RL phase leaves before the deadline: stopping the RL processes (the learner
+    checkpoints on SIGTERM: ~10 s) and the final evaluation, i.e. 1.25 x the latest evaluation that
+    had the server to itself (after SFT, else the baseline; RL-phase evaluations share the server
+    with the actor and run slower; Naive RAG generates one turn only), plus 30 s; 120 s stand in for
+    an evaluation when none ran yet. 0 when evaluations are outside the budget."""
+    if not in_budget:
+        return 0.0
+    durations = [e["eval_s"] for e in evals if e.get("label") not in ("naive_rag", "rl") and "eval_s" in e]
+    return 1.25 * (durations[-1] if durations else 120.0) + 30.0
+
+
+def rl_eval_fits(now_s: float, *, next_eval_s: float, last_rl_eval_s: float, rl_end_s: float) -> bool:
+    """Whether to start an RL-phase evaluation now: it is due, and 1.25 x the last one (it runs
+    beside the actor and the learner, so longer than a clean one) still ends before the RL phase."""
+    return now_s >= next_eval_s and now_s + 1.25 * last_rl_eval_s < rl_end_s
 
 
 def _write_sample(path: Path, trajectories, chat) -> None:

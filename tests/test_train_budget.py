@@ -1,0 +1,77 @@
+"""The main job's time-budget rules: what the final evaluation reserves, which evaluations move the
+deadline when evaluations are outside the budget, when an RL-phase evaluation may start, and that the
+supervisor keeps the evaluation history it bases them on (including after --resume)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentrl.train import (
+    Supervisor,
+    TrainConfig,
+    eval_extends_deadline_s,
+    final_eval_reserve_s,
+    rl_eval_fits,
+)
+
+
+def _summary(label: str, eval_s: float) -> dict:
+    return {"label": label, "eval_s": eval_s, "em": 0.0, "f1": 0.0, "n": 4, "served_version": 0}
+
+
+def test_reserve_follows_the_latest_evaluation_that_had_the_server_to_itself():
+    assert final_eval_reserve_s([], in_budget=True) == pytest.approx(1.25 * 120.0 + 30.0)
+    baseline_only = [_summary("base_tool_call", 200.0), _summary("naive_rag", 20.0)]
+    assert final_eval_reserve_s(baseline_only, in_budget=True) == pytest.approx(1.25 * 200.0 + 30.0)
+    # The SFT evaluation replaces the baseline; RL-phase evaluations (slowed by the actor) and Naive
+    # RAG (one turn) never count.
+    history = [*baseline_only, _summary("sft", 80.0), _summary("rl", 400.0), _summary("naive_rag", 5.0)]
+    assert final_eval_reserve_s(history, in_budget=True) == pytest.approx(1.25 * 80.0 + 30.0)
+    assert final_eval_reserve_s(history, in_budget=False) == 0.0
+
+
+def test_only_before_and_after_evaluations_move_the_deadline_when_outside_the_budget():
+    assert eval_extends_deadline_s(_summary("sft", 75.0), in_budget=False) == 75.0
+    assert eval_extends_deadline_s(_summary("final", 60.0), in_budget=False) == 60.0
+    # Training goes on beside an RL-phase evaluation; baselines run before the budget starts.
+    for label in ("rl", "base_tool_call", "naive_rag"):
+        assert eval_extends_deadline_s(_summary(label, 90.0), in_budget=False) == 0.0
+    for label in ("sft", "final", "rl"):
+        assert eval_extends_deadline_s(_summary(label, 90.0), in_budget=True) == 0.0
+
+
+def test_rl_evaluation_starts_only_when_due_and_when_it_fits():
+    # Due at 100 s, the last one took 40 s (x 1.25 = 50 s), the RL phase ends at 200 s.
+    assert not rl_eval_fits(99.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
+    assert rl_eval_fits(100.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
+    assert rl_eval_fits(149.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
+    assert not rl_eval_fits(150.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
+
+
+def test_supervisor_keeps_the_evaluation_history_and_reads_it_back_on_resume(tmp_path):
+    config = TrainConfig()
+    first = Supervisor(config, tmp_path)
+    first.deadline = 1000.0
+    first._log_eval(_summary("base_tool_call", 200.0))
+    first._log_eval(_summary("sft", 80.0))
+    first._log_eval(_summary("rl", 300.0))
+    assert first.deadline == 1000.0  # in the budget: nothing is added back
+    assert first._final_eval_reserve_s() == pytest.approx(1.25 * 80.0 + 30.0)
+    assert [json.loads(line)["label"] for line in (tmp_path / "evals.jsonl").read_text().splitlines()] == [
+        "base_tool_call", "sft", "rl"]
+
+    resumed = Supervisor(config, tmp_path, resume=True)
+    assert [e["label"] for e in resumed.evals] == ["base_tool_call", "sft", "rl"]
+    assert resumed._final_eval_reserve_s() == pytest.approx(1.25 * 80.0 + 30.0)
+    assert Supervisor(config, tmp_path).evals == []  # a fresh run does not inherit an old history
+
+    config.eval.in_budget = False
+    outside = Supervisor(config, tmp_path / "outside")
+    (tmp_path / "outside").mkdir()
+    outside.deadline = 1000.0
+    outside._log_eval(_summary("sft", 80.0))
+    outside._log_eval(_summary("rl", 300.0))
+    assert outside.deadline == 1080.0
+    assert outside._final_eval_reserve_s() == 0.0
