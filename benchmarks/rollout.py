@@ -1,6 +1,7 @@
 """Rollout engine benchmark: orchestrator capacity, backend utilisation, async vs lockstep.
 
-    python benchmarks/rollout.py               # embedded default: about 10 minutes on a 2-core CPU machine
+    python benchmarks/rollout.py               # the issue's sizes: ~36 minutes on a 2-core CPU machine
+    python benchmarks/rollout.py --quick       # async vs lockstep at 32 episodes / 8 slots: ~10 minutes
     python benchmarks/rollout.py --skip-vllm   # capacity only (under a minute)
 
 1. capacity_turns_per_s / cpu_us_per_turn: 4,096 concurrent episodes (1,024 prompts x 4 samples,
@@ -18,11 +19,13 @@
    responses as the model produces them) run (a) streaming through the orchestrator and (b) in
    synchronous lockstep turns as Agent-R1's legacy rollout does (the whole batch generates, then all
    tools run, then the next turn). Both modes hold at most C requests in flight: streaming pulls the
-   episodes through C slots, lockstep runs them as batches of C. Default 32 episodes, C = 8 (the
-   issue's 256 episodes take ~45 minutes of lockstep alone on this machine's server: see main()).
-   Tool latencies are log-normal, sigma 1.0, median equal to the median generation time of one turn measured at that concurrency (a first-turn batch of C); each mode
-   draws them from the same seeded generator in call order. Greedy sampling (default) with 40-token
-   turns (a search call is ~30 tokens; the budget is kept small so the run fits in minutes). The
+   episodes through C slots, lockstep runs them as batches of C. Default 256 episodes, C = 32 (the
+   issue's size; on this machine lockstep alone takes ~22 minutes of the ~36: see main()); --quick
+   runs 32 episodes through C = 8.
+   Tool latencies are log-normal, sigma 1.0, median equal to the median generation time of one turn
+   measured at that concurrency (a first-turn batch of C); each mode draws them from the same seeded
+   generator in call order. Greedy sampling (default) with 40-token turns (a search call is ~30
+   tokens; the budget is kept small so the run fits in well under an hour). The
    number of tool rounds per episode is reported with the ratio: a turn without a valid call costs
    no tool time, so the structural gain depends on how many tool rounds the policy takes.
    Ratio of makespans (= ratio of episodes/s). Target >= 2.0.
@@ -457,20 +460,30 @@ def main() -> int:
     parser.add_argument("--skip-capacity", action="store_true", help="only the measurements on the real vLLM server")
     parser.add_argument("--skip-utilisation", action="store_true", help="skip the backend utilisation measurement")
     parser.add_argument("--server", help="use this running vLLM server (base URL) instead of starting one")
-    # The issue's size is 256 episodes; on this 2-core machine the server makes ~100 tokens/s at 32
-    # requests in flight (one turn: ~12 s), so lockstep alone would take 8 batches x (4 turns + 3 tool
-    # rounds paying the slowest of 32 log-normal tools, ~8x the median) = roughly 45 minutes. The
-    # default is therefore 32 episodes through 8 slots (4 lockstep batches); --avl-episodes 256
-    # --avl-concurrency 32 is the issue's size.
-    parser.add_argument("--avl-episodes", type=int, default=32, help="episodes of the async-vs-lockstep comparison (issue: 256)")
-    parser.add_argument("--avl-concurrency", type=int, default=8,
-                        help="requests in flight in both modes of async-vs-lockstep (lockstep runs batches of this size)")
+    # The issue's size is the default: 256 episodes, 32 in flight. On this 2-core machine the server
+    # makes ~100 tokens/s at 32 requests in flight (one 40-token turn: ~10 s) and the untrained model
+    # takes one tool round per episode, so lockstep's 8 batches pay ~4 generations and the slowest of 32
+    # log-normal tools (~8x the median) each: 1,348 s measured, 452 s streaming, ~36 minutes in all
+    # (docs/notes/issue-5.md, session 3). --quick: 32 episodes through 8 slots, ~10 minutes.
+    parser.add_argument("--quick", action="store_true",
+                        help="async vs lockstep at 32 episodes through 8 slots instead of the issue's 256 through 32")
+    parser.add_argument("--avl-episodes", type=int, default=None,
+                        help="episodes of the async-vs-lockstep comparison (default 256, the issue's; --quick: 32)")
+    parser.add_argument("--avl-concurrency", type=int, default=None,
+                        help="requests in flight in both modes of async-vs-lockstep, lockstep runs batches of this size "
+                             "(default 32; --quick: 8)")
     parser.add_argument("--action-tokens", type=int, default=40,
                         help="per-turn generation budget on the real server (a search call is ~30 tokens)")
     parser.add_argument("--avl-temperature", type=float, default=0.0,
                         help="sampling temperature of the async-vs-lockstep episodes (default greedy: the untrained 135M "
                              "model then makes a search call on most first turns; at T=0.7 it made 20 calls in 32 episodes)")
     args = parser.parse_args()
+    if args.avl_episodes is None:
+        args.avl_episodes = 32 if args.quick else 256
+    if args.avl_concurrency is None:
+        args.avl_concurrency = 8 if args.quick else 32
+    if args.avl_episodes < 1 or args.avl_concurrency < 1:
+        parser.error(f"--avl-episodes ({args.avl_episodes}) and --avl-concurrency ({args.avl_concurrency}) must be >= 1")
     args.max_turns = 4
     args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 12.0, 3.0, 3
 
