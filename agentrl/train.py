@@ -745,7 +745,7 @@ def actor_main(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name}, the CPU default)")
-    parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget of SFT + RL, minutes")
+    parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget of everything after set-up (evaluations, SFT, RL), minutes")
     parser.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
     parser.add_argument("--resume", default=None, help="continue the run in this directory")
     parser.add_argument("--vllm", action="append", default=[], help="use this vLLM server (repeatable) instead of starting one")

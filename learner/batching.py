@@ -271,10 +271,11 @@ class PackedPolicy(nn.Module):
         ~1e-3 on log-probs), with the frozen layers' work cut by (S - 1) x P tokens. Only for model
         types whose decoder forward is exactly embed -> rotary -> layers -> norm with full attention
         (`SHARED_PREFIX_MODEL_TYPES`, no sliding window); others take the plain path.
-        Measured (benchmarks/learner.py, CPU recipe, rows of 2 sequences of ~695 tokens sharing 420):
-        no gain, 494 vs 506 tokens/s over 2 steps each: the separate prefix pass and the masked
-        per-sequence attention cost about what the saved tokens did. Rows holding more sequences
-        are where it could pay; not measured. `TrainerConfig.share_prefix = false` turns it off.
+        Measured (benchmarks/learner.py's recipe batch: 8 sequences of ~695 tokens sharing a
+        400-token prompt, 22 frozen layers, medians of 3 steps side by side): rows of 2 sequences
+        1.04-1.07x (0.98x in an earlier run: within noise), rows of 4 1.10x, one row of 8 1.16-1.21x
+        (609 vs 505 tokens/s): the gain grows with the sequences per row, so the CPU recipe packs a
+        whole step into one row (max_row_tokens 8192). `TrainerConfig.share_prefix = false` turns it off.
         """
         use_autocast = self.compute_dtype != torch.float32
         frozen = self._frozen_bottom_layers() if shared_prefix_len > 0 else 0
