@@ -384,10 +384,8 @@ class Supervisor:
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
-        evals_path = out / "evals.jsonl"
         # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
-        self.evals: list[dict] = ([json.loads(line) for line in evals_path.read_text().splitlines()]
-                                  if resume and evals_path.exists() else [])
+        self.evals: list[dict] = _read_jsonl(out / "evals.jsonl") if resume and (out / "evals.jsonl").exists() else []
 
     # -- bookkeeping
     def _phase_done(self, name: str, result: dict) -> None:
@@ -665,6 +663,16 @@ def rl_eval_fits(now_s: float, *, next_eval_s: float, last_rl_eval_s: float, rl_
     return now_s >= next_eval_s and now_s + 1.25 * last_rl_eval_s < rl_end_s
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line to resume") from err
+    return records
+
+
 def _write_sample(path: Path, trajectories, chat) -> None:
     with open(path, "w") as f:
         for t in trajectories:
@@ -745,7 +753,7 @@ def actor_main(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agentrl train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name}, the CPU default)")
-    parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget of everything after set-up (evaluations, SFT, RL), minutes")
+    parser.add_argument("--minutes", type=float, default=None, help="wall-clock budget of everything after set-up (SFT, RL and, unless eval.in_budget = false, the evaluations), minutes")
     parser.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
     parser.add_argument("--resume", default=None, help="continue the run in this directory")
     parser.add_argument("--vllm", action="append", default=[], help="use this vLLM server (repeatable) instead of starting one")
@@ -765,6 +773,12 @@ def main(argv: list[str]) -> int:
             print(f"agentrl train: bad config: {err}", file=sys.stderr)
             return 2
         out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        if (out / "config.toml").exists():
+            # A second run would append to the first one's evals.jsonl and metrics, and its report
+            # would mix the two.
+            print(f"agentrl train: {out} already holds a run; continue it with --resume {out}, or choose another --out",
+                  file=sys.stderr)
+            return 2
         out.mkdir(parents=True, exist_ok=True)
     if args.minutes is not None:
         config.minutes = args.minutes
@@ -774,7 +788,11 @@ def main(argv: list[str]) -> int:
         config.services.tool_endpoints = args.tool_endpoint
     (out / "config.toml").write_text(dump_toml(dataclasses.asdict(config)))
 
-    supervisor = Supervisor(config, out, resume=bool(args.resume))
+    try:
+        supervisor = Supervisor(config, out, resume=bool(args.resume))
+    except ValueError as err:
+        print(f"agentrl train: cannot resume: {err}", file=sys.stderr)
+        return 2
     t0 = time.time()
     stop = {"sig": None}
 

@@ -1,6 +1,7 @@
 """Learner throughput (tokens/s, full-parameter SmolLM2-135M on CPU) and weight-publish time.
 
-Runs with no arguments. What it measures, in one process:
+Runs with no arguments (`--recipe-only --recipe-row-tokens N`: only the recipe comparison at
+another row size, ~2 minutes). What it measures, in one process:
 - train_tokens_per_s: optimizer steps (decoupled-PPO loss, AdamW, all 135M parameters trainable,
   bf16 autocast with fp32 master weights) on a fixed batch of packed synthetic trajectories, with the
   fused kernels (agentrl.kernels: no [N, V] logits). Tokens = every token forwarded (prompt +
@@ -34,6 +35,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -58,6 +60,7 @@ FUSED_STEPS, REFERENCE_STEPS, PUSHES = 3, 2, 3
 RECIPE_GROUPS, RECIPE_GROUP_SIZE, RECIPE_SYSTEM_LEN, RECIPE_QUESTION_LEN = 2, 4, 400, 20
 RECIPE_TURNS = [(30, 100), (30, 100), (15, 0)]
 RECIPE_STEPS = 2
+RECIPE_STEPS_ALONE = 3  # --recipe-only has the time for one more step each
 RECIPE_ROW_TOKENS = 8192  # agentrl/configs/cpu_default.toml: a whole step in one row
 
 
@@ -101,7 +104,7 @@ def train_rate(kernels: str, steps: int) -> dict:
             "load_before": load_before, "load_after": _load(), "model": model}
 
 
-def _recipe_batch():
+def _recipe_batch(row_tokens: int):
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -118,20 +121,20 @@ def _recipe_batch():
     advs = compute_advantages(groups, RewardWeights(), AdvantageConfig("grpo"))
     samples = [Sample(g.group_id, t.sample_index, t, a) for g, ga in zip(groups, advs, strict=True)
                for t, a in zip(g.trajectories, ga, strict=True)]
-    return build_micro_batches(samples, RECIPE_ROW_TOKENS)
+    return build_micro_batches(samples, row_tokens)
 
 
-def recipe_rates(steps: int) -> dict:
+def recipe_rates(steps: int, row_tokens: int = RECIPE_ROW_TOKENS) -> dict:
     from agentrl.learner.trainer import set_trainable
 
     trainers = {}
     for share in (True, False):
         model = _model()
-        config = TrainerConfig(precision="bf16", kernels="fused", max_row_tokens=RECIPE_ROW_TOKENS, train_layers=8,
+        config = TrainerConfig(precision="bf16", kernels="fused", max_row_tokens=row_tokens, train_layers=8,
                                train_embeddings=False, share_prefix=share, optimizer=OptimizerConfig(lr=1e-6))
         set_trainable(model, config.train_layers, config.train_embeddings)
         trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=config.compute_dtype), config)
-    mbs = _recipe_batch()
+    mbs = _recipe_batch(row_tokens)
     load_before = _load()
     rates: dict[bool, list[float]] = {True: [], False: []}
     for step in range(WARMUP_STEPS + steps):
@@ -167,9 +170,44 @@ async def publish_times(model) -> dict:
         server.stop()
 
 
-def main() -> None:
+def _recipe_result(recipe: dict, row_tokens: int) -> dict:
+    return {
+        "recipe_tokens_per_s": round(statistics.median(recipe["shared"]), 2),
+        "recipe_tokens_per_s_no_prefix_sharing": round(statistics.median(recipe["plain"]), 2),
+        "prefix_sharing_speedup": round(statistics.median(recipe["shared"]) / statistics.median(recipe["plain"]), 3),
+        "recipe_tokens_per_step": recipe["tokens"],
+        "recipe_row_tokens": row_tokens,
+        "recipe_rows_per_step": len(recipe["shared_prefix_len"]),
+    }
+
+
+def _print_recipe(recipe: dict) -> None:
+    print(f"recipe (top 8 layers): shared prefix {[round(r, 1) for r in recipe['shared']]} tokens/s, "
+          f"plain {[round(r, 1) for r in recipe['plain']]} tokens/s, shared prefix per row {recipe['shared_prefix_len']} "
+          f"(load {recipe['load_before']:.1f} -> {recipe['load_after']:.1f})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe-row-tokens", type=int, default=RECIPE_ROW_TOKENS,
+                        help=f"max_row_tokens of the recipe comparison (default {RECIPE_ROW_TOKENS}, the CPU recipe's; "
+                             "2048 packs 2 of its sequences per row, 2800 packs 4)")
+    parser.add_argument("--recipe-only", action="store_true",
+                        help="only the recipe comparison (shared-prefix vs plain forward), e.g. to sweep row sizes")
+    args = parser.parse_args(argv)
+    if args.recipe_row_tokens < 1:
+        parser.error(f"--recipe-row-tokens must be >= 1, got {args.recipe_row_tokens}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    machine = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+               "git_commit": commit}
+    if args.recipe_only:
+        recipe = recipe_rates(RECIPE_STEPS_ALONE, args.recipe_row_tokens)
+        _print_recipe(recipe)
+        print(json.dumps({"benchmark": "learner_recipe", **_recipe_result(recipe, args.recipe_row_tokens),
+                          "load_avg_1m_before": round(recipe["load_before"], 2),
+                          "load_avg_1m_after": round(recipe["load_after"], 2), **machine}))
+        return
     fused = train_rate("fused", FUSED_STEPS)
     print(f"fused: {[round(r, 1) for r in fused['rates']]} tokens/s "
           f"(load {fused['load_before']:.1f} -> {fused['load_after']:.1f})", flush=True)
@@ -178,10 +216,8 @@ def main() -> None:
     gc.collect()
     print(f"reference: {[round(r, 1) for r in reference['rates']]} tokens/s "
           f"(load {reference['load_before']:.1f} -> {reference['load_after']:.1f})", flush=True)
-    recipe = recipe_rates(RECIPE_STEPS)
-    print(f"recipe (top 8 layers): shared prefix {[round(r, 1) for r in recipe['shared']]} tokens/s, "
-          f"plain {[round(r, 1) for r in recipe['plain']]} tokens/s, shared prefix per row {recipe['shared_prefix_len']} "
-          f"(load {recipe['load_before']:.1f} -> {recipe['load_after']:.1f})", flush=True)
+    recipe = recipe_rates(RECIPE_STEPS, args.recipe_row_tokens)
+    _print_recipe(recipe)
     gc.collect()
     pub = asyncio.run(publish_times(fused["model"]))
     print(f"publish totals {[round(x, 2) for x in pub['totals']]} s, stalls {[round(x, 3) for x in pub['stalls']]} s", flush=True)
@@ -194,10 +230,7 @@ def main() -> None:
         "train_tokens_per_s_reference": round(statistics.median(rr), 2),
         "fused_speedup": round(statistics.median(fr) / statistics.median(rr), 3),
         "target_tokens_per_s": 110,
-        "recipe_tokens_per_s": round(statistics.median(recipe["shared"]), 2),
-        "recipe_tokens_per_s_no_prefix_sharing": round(statistics.median(recipe["plain"]), 2),
-        "prefix_sharing_speedup": round(statistics.median(recipe["shared"]) / statistics.median(recipe["plain"]), 3),
-        "recipe_tokens_per_step": recipe["tokens"],
+        **_recipe_result(recipe, args.recipe_row_tokens),
         "publish_s_median": round(statistics.median(pub["totals"]), 3),
         "publish_stall_s_median": round(statistics.median(pub["stalls"]), 3),
         "publish_pause_s_last": round(pub["pause_s"], 3),
@@ -207,10 +240,7 @@ def main() -> None:
         "precision": "bf16-autocast",
         "load_avg_1m_before": round(fused["load_before"], 2),
         "load_avg_1m_after": round(reference["load_after"], 2),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "git_commit": commit,
+        **machine,
     }
     print(json.dumps(result))
 

@@ -1,7 +1,7 @@
 """Rollout engine benchmark: orchestrator capacity, backend utilisation, async vs lockstep.
 
     python benchmarks/rollout.py               # the issue's sizes: ~36 minutes on a 2-core CPU machine
-    python benchmarks/rollout.py --quick       # async vs lockstep at 32 episodes / 8 slots: ~10 minutes
+    python benchmarks/rollout.py --quick       # async vs lockstep at 32 episodes / 8 slots: ~10 minutes (estimated)
     python benchmarks/rollout.py --skip-vllm   # capacity only (under a minute)
 
 1. capacity_turns_per_s / cpu_us_per_turn: 4,096 concurrent episodes (1,024 prompts x 4 samples,
@@ -464,7 +464,7 @@ def main() -> int:
     # makes ~100 tokens/s at 32 requests in flight (one 40-token turn: ~10 s) and the untrained model
     # takes one tool round per episode, so lockstep's 8 batches pay ~4 generations and the slowest of 32
     # log-normal tools (~8x the median) each: 1,348 s measured, 452 s streaming, ~36 minutes in all
-    # (docs/notes/issue-5.md, session 3). --quick: 32 episodes through 8 slots, ~10 minutes.
+    # (docs/notes/issue-5.md, session 3). --quick: 32 episodes through 8 slots, ~10 minutes (estimated from its parts).
     parser.add_argument("--quick", action="store_true",
                         help="async vs lockstep at 32 episodes through 8 slots instead of the issue's 256 through 32")
     parser.add_argument("--avl-episodes", type=int, default=None,

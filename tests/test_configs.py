@@ -32,6 +32,18 @@ def test_shipped_config_parses(path, tmp_path):
         assert learner.mode == phase
 
 
+
+def test_cpu_recipe_trains_each_step_as_one_row(tmp_path):
+    """The CPU recipe's learner speed rests on a step being one packed row (the shared prompt then
+    runs once through the frozen layers: cpu_default.toml, docs/notes/issue-6.md)."""
+    config = load_train_config(DEFAULT_CONFIG)
+    for phase, overrides in (("rl", {}), ("sft", config.sft.learner)):
+        data = deep_merge(config.learner, overrides)
+        data.update(output_dir=str(tmp_path / phase), mode=phase, server_urls=["http://127.0.0.1:1"])
+        (tmp_path / f"{phase}.toml").write_text(dump_toml(data))
+        learner = load_learner_config(tmp_path / f"{phase}.toml")
+        assert learner.trainer.max_row_tokens >= learner.tokens_per_step, phase
+
 def test_unknown_keys_are_refused_with_the_known_ones(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("minutes = 1.0\n[orchestrator]\ngroup_sise = 4\n")

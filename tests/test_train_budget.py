@@ -75,3 +75,21 @@ def test_supervisor_keeps_the_evaluation_history_and_reads_it_back_on_resume(tmp
     outside._log_eval(_summary("rl", 300.0))
     assert outside.deadline == 1080.0
     assert outside._final_eval_reserve_s() == 0.0
+
+
+def test_a_damaged_evaluation_history_is_named_on_resume(tmp_path):
+    (tmp_path / "evals.jsonl").write_text(json.dumps(_summary("sft", 80.0)) + "\n" + '{"label": "rl", "eval_s"\n')
+    with pytest.raises(ValueError, match=r"evals\.jsonl:2: not a JSON record"):
+        Supervisor(TrainConfig(), tmp_path, resume=True)
+
+
+def test_a_fresh_run_into_a_run_directory_is_refused(tmp_path, capsys):
+    from agentrl.train import main
+
+    (tmp_path / "config.toml").write_text("minutes = 1.0\n")
+    (tmp_path / "evals.jsonl").write_text(json.dumps(_summary("sft", 80.0)) + "\n")
+    assert main(["--out", str(tmp_path)]) == 2
+    assert f"--resume {tmp_path}" in capsys.readouterr().err
+    # Nothing of the earlier run was touched.
+    assert (tmp_path / "config.toml").read_text() == "minutes = 1.0\n"
+    assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 1
