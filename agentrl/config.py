@@ -1,7 +1,8 @@
 """Typed configs from TOML: dataclasses built from tables, unknown keys refused with the known ones.
 
 Also a small TOML writer, so a supervisor can hand each process the resolved config it runs with
-(the standard library reads TOML but does not write it).
+(the standard library reads TOML but does not write it), and the reader of the JSONL records a run
+writes (evaluations, metrics).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import json
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 
@@ -91,3 +93,19 @@ def deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file, oldest first ([] when it does not exist; blank lines skipped). A
+    line that is not JSON (a run killed mid-write, a hand edit) is named by path and line number."""
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line") from err
+    return records

@@ -16,11 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from agentrl.config import read_jsonl  # noqa: E402
 
 
 def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
@@ -44,7 +40,7 @@ def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: 
 def eval_records(run: Path, label: str, summary: dict) -> dict[str, float]:
     """task id -> EM of the evaluation `label` whose summary is `summary` (written by the supervisor)."""
     path = run / "evals" / f"{label}-v{summary.get('served_version')}.jsonl"
-    return {r["task_id"]: r["em"] for r in _jsonl(path)}
+    return {r["task_id"]: r["em"] for r in read_jsonl(path)}
 
 
 def paired_comparison(before: dict[str, float], after: dict[str, float]) -> dict | None:
@@ -66,10 +62,10 @@ def write_report(run_dir: str | Path) -> Path:
     plots = run / "plots"
     plots.mkdir(exist_ok=True)
     phases = json.loads((run / "phases.json").read_text()) if (run / "phases.json").exists() else {}
-    evals = _jsonl(run / "evals.jsonl")
-    sft = _jsonl(run / "sft" / "metrics.jsonl")
-    rl = _jsonl(run / "rl" / "metrics.jsonl")
-    actor = _jsonl(run / "actor" / "stats.jsonl")
+    evals = read_jsonl(run / "evals.jsonl")
+    sft = read_jsonl(run / "sft" / "metrics.jsonl")
+    rl = read_jsonl(run / "rl" / "metrics.jsonl")
+    actor = read_jsonl(run / "actor" / "stats.jsonl")
     images: list[tuple[str, str | None]] = []
 
     t0 = min((e["time"] for e in evals), default=0.0)

@@ -44,7 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.config import deep_merge, dump_toml, from_dict, to_dict
+from agentrl.config import deep_merge, dump_toml, from_dict, read_jsonl, to_dict
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
@@ -385,7 +385,7 @@ class Supervisor:
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
         # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
-        self.evals: list[dict] = _read_jsonl(out / "evals.jsonl") if resume and (out / "evals.jsonl").exists() else []
+        self.evals: list[dict] = read_jsonl(out / "evals.jsonl") if resume else []
 
     # -- bookkeeping
     def _phase_done(self, name: str, result: dict) -> None:
@@ -661,16 +661,6 @@ def rl_eval_fits(now_s: float, *, next_eval_s: float, last_rl_eval_s: float, rl_
     """Whether to start an RL-phase evaluation now: it is due, and 1.25 x the last one (it runs
     beside the actor and the learner, so longer than a clean one) still ends before the RL phase."""
     return now_s >= next_eval_s and now_s + 1.25 * last_rl_eval_s < rl_end_s
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line to resume") from err
-    return records
 
 
 def _write_sample(path: Path, trajectories, chat) -> None:
