@@ -593,7 +593,6 @@ class Supervisor:
         learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
-        last_rl_eval_s = self._final_eval_reserve_s()
         try:
             def rl_end() -> float:  # an evaluation outside the budget moves the deadline
                 return self.deadline - self._final_eval_reserve_s()
@@ -615,10 +614,10 @@ class Supervisor:
                           flush=True)
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
-                if rl_eval_fits(time.monotonic(), next_eval_s=next_eval, last_rl_eval_s=last_rl_eval_s, rl_end_s=rl_end()):
+                if rl_eval_fits(time.monotonic(), self.evals, next_eval_s=next_eval, rl_end_s=rl_end(),
+                                in_budget=cfg.eval.in_budget):
                     summary, trajs = await evaluate(self.conn, self.heldout, "rl")
                     self._log_eval(summary, trajs)
-                    last_rl_eval_s = summary["eval_s"]
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:
             # In threads: the event loop must keep answering the tool services' heartbeats.
@@ -657,10 +656,13 @@ def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
     return 1.25 * (durations[-1] if durations else 120.0) + 30.0
 
 
-def rl_eval_fits(now_s: float, *, next_eval_s: float, last_rl_eval_s: float, rl_end_s: float) -> bool:
-    """Whether to start an RL-phase evaluation now: it is due, and 1.25 x the last one (it runs
-    beside the actor and the learner, so longer than a clean one) still ends before the RL phase."""
-    return now_s >= next_eval_s and now_s + 1.25 * last_rl_eval_s < rl_end_s
+def rl_eval_fits(now_s: float, evals: list[dict], *, next_eval_s: float, rl_end_s: float, in_budget: bool) -> bool:
+    """Whether to start an RL-phase evaluation now: it is due, and 1.25 x the last RL-phase one
+    still ends before the RL phase does. Before the first, the final-evaluation reserve stands in
+    for it (an RL-phase evaluation runs beside the actor and the learner, so longer than a clean one)."""
+    rl_durations = [e["eval_s"] for e in evals if e.get("label") == "rl" and "eval_s" in e]
+    expected_s = rl_durations[-1] if rl_durations else final_eval_reserve_s(evals, in_budget=in_budget)
+    return now_s >= next_eval_s and now_s + 1.25 * expected_s < rl_end_s
 
 
 def _write_sample(path: Path, trajectories, chat) -> None:

@@ -43,11 +43,19 @@ def test_only_before_and_after_evaluations_move_the_deadline_when_outside_the_bu
 
 
 def test_rl_evaluation_starts_only_when_due_and_when_it_fits():
-    # Due at 100 s, the last one took 40 s (x 1.25 = 50 s), the RL phase ends at 200 s.
-    assert not rl_eval_fits(99.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
-    assert rl_eval_fits(100.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
-    assert rl_eval_fits(149.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
-    assert not rl_eval_fits(150.0, next_eval_s=100.0, last_rl_eval_s=40.0, rl_end_s=200.0)
+    # Due at 100 s, the last RL-phase one took 40 s (x 1.25 = 50 s), the RL phase ends at 200 s; the
+    # clean evaluations' durations do not count once an RL-phase one ran.
+    history = [_summary("base_tool_call", 200.0), _summary("sft", 20.0), _summary("rl", 40.0)]
+
+    def fits(now_s: float, evals: list[dict] = history) -> bool:
+        return rl_eval_fits(now_s, evals, next_eval_s=100.0, rl_end_s=200.0, in_budget=True)
+
+    assert not fits(99.0)
+    assert fits(100.0) and fits(149.0)
+    assert not fits(150.0)
+    # Before the first RL-phase evaluation the final-evaluation reserve (1.25 x 20 + 30 = 55 s)
+    # stands in for it: 1.25 x 55 = 68.75 s must fit.
+    assert fits(131.0, history[:2]) and not fits(131.5, history[:2])
 
 
 def test_supervisor_keeps_the_evaluation_history_and_reads_it_back_on_resume(tmp_path):
@@ -83,9 +91,13 @@ def test_a_damaged_evaluation_history_is_named_on_resume(tmp_path):
         Supervisor(TrainConfig(), tmp_path, resume=True)
 
 
-def test_a_fresh_run_into_a_run_directory_is_refused(tmp_path, capsys):
+def test_a_fresh_run_into_a_run_directory_is_refused(tmp_path, capsys, monkeypatch):
     from agentrl.train import main
 
+    async def no_run(self):  # were the refusal gone, fail here instead of starting services
+        raise AssertionError("a run started in a directory that holds one")
+
+    monkeypatch.setattr(Supervisor, "run", no_run)
     (tmp_path / "config.toml").write_text("minutes = 1.0\n")
     (tmp_path / "evals.jsonl").write_text(json.dumps(_summary("sft", 80.0)) + "\n")
     assert main(["--out", str(tmp_path)]) == 2
