@@ -206,10 +206,12 @@ class Trainer:
         )
         self._loss = _loss_fn(config.kernels)
 
-    def _forward(self, mb: MicroBatch, with_entropy: bool):
-        return self.policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
-                           temperature=self.config.temperature, with_entropy=with_entropy,
-                           shared_prefix_len=mb.shared_prefix_len if self.config.share_prefix else 0)
+    def _forward(self, mb: MicroBatch, with_entropy: bool, policy: PackedPolicy | None = None):
+        """`policy` (default: the trained one; the KL reference passes itself) on micro-batch `mb`."""
+        policy = self.policy if policy is None else policy
+        return policy(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
+                      temperature=self.config.temperature, with_entropy=with_entropy,
+                      shared_prefix_len=mb.shared_prefix_len if self.config.share_prefix else 0)
 
     def _gae_advantages(
         self, mb: MicroBatch, values_N: torch.Tensor, weights: RewardWeights
@@ -263,9 +265,7 @@ class Trainer:
             ref_N = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_N, _, _ = self.reference(mb.input_ids_L, mb.position_ids_L, mb.gather_idx_N, mb.targets_N,
-                                                 temperature=cfg.temperature, with_entropy=False,
-                                                 shared_prefix_len=mb.shared_prefix_len if cfg.share_prefix else 0)
+                    ref_N, _, _ = self._forward(mb, with_entropy=False, policy=self.reference)
             mask_N = torch.ones(mb.num_action_tokens, dtype=torch.bool, device=self.device)
             entropy_arg = entropy_N if cfg.loss.entropy_coef > 0 else entropy_N.detach()
             loss, stats = self._loss(
