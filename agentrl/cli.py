@@ -47,10 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     return int(func(rest) or 0)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def exit_on_sigterm() -> None:
     """Make SIGTERM raise SystemExit(143) in the main thread, so the `finally` blocks that stop
     child servers by PID run (the default action would end the process and orphan them)."""
@@ -60,3 +56,7 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _raise)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
