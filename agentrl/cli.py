@@ -12,9 +12,9 @@ import sys
 
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare-model": ("agentrl.model:prepare_main", "turn the shipped SmolLM2 GGUF into an HF folder"),
+    "prepare-model": ("agentrl.common.model:prepare_main", "turn the shipped SmolLM2 GGUF into an HF folder"),
     "serve-model": ("agentrl.engine.serve:main", "start a vLLM server with hot-swappable weights"),
-    "push-weights": ("agentrl.engine.weights:push_main", "hot-swap weights into a running server"),
+    "push-weights": ("agentrl.common.weights:push_main", "hot-swap weights into a running server"),
     "toolserver": ("agentrl.toolservers.cli:serve_main", "run one tool service on a ZeroMQ endpoint"),
     "tool": ("agentrl.toolservers.cli:tool_main", "call or describe a running tool service"),
     "eval": ("agentrl.engine.cli:eval_main", "evaluate a policy on a task set (EM/F1)"),

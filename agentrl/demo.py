@@ -23,8 +23,8 @@ QUESTIONS = [
 async def _run(server, tokenizer) -> dict:
     from safetensors.torch import load_file
 
-    from agentrl.engine.inference import SamplingParams, VLLMClient
-    from agentrl.engine.weights import push_weights, write_weights
+    from agentrl.common.inference import SamplingParams, VLLMClient
+    from agentrl.common.weights import push_weights, write_weights
 
     def chat(q: str) -> list[int]:
         return list(tokenizer.apply_chat_template(

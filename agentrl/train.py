@@ -36,7 +36,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import tomllib
@@ -44,7 +43,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.config import deep_merge, dump_toml, from_dict, read_jsonl, to_dict
+from agentrl.common.config import deep_merge, dump_toml, from_dict, read_jsonl, to_dict
+from agentrl.common.procs import ChildProcess
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
@@ -169,47 +169,6 @@ def load_train_config(path: str | Path | None) -> TrainConfig:
 
 
 # ---------------------------------------------------------------- processes
-
-
-class Proc:
-    """A child process in its own process group, stopped by PID."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path):
-        self.name, self.argv, self.log_path = name, argv, log_path
-        self.popen: subprocess.Popen | None = None
-
-    def start(self) -> Proc:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        log.close()
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen else None
-
-    def poll(self) -> int | None:
-        return self.popen.poll() if self.popen else None
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        if self.popen is None:
-            return None
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        return self.popen.wait(10)
-
-    def log_tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return "(no log)"
 
 
 def _agentrl(*args: str) -> list[str]:
@@ -337,7 +296,7 @@ async def evaluate(conn: Connections, tasks: list, label: str) -> tuple[dict, li
     async def collect(group):
         trajectories.extend(group.trajectories)
 
-    from agentrl.engine.weights import reset_kv_cache
+    from agentrl.common.weights import reset_kv_cache
 
     versions_before = [await s.client.weight_version() for s in conn.pool.servers if s.alive]
     t0 = time.perf_counter()
@@ -378,7 +337,7 @@ async def evaluate(conn: Connections, tasks: list, label: str) -> tuple[dict, li
 class Supervisor:
     def __init__(self, config: TrainConfig, out: Path, *, resume: bool = False):
         self.config, self.out, self.resume = config, out, resume
-        self.procs: list[Proc] = []
+        self.procs: list[ChildProcess] = []
         self.tool_procs: list = []
         self.vllm_server = None
         self.phases_path = out / "phases.json"
@@ -412,8 +371,8 @@ class Supervisor:
 
     # -- services
     async def start_services(self) -> None:
+        from agentrl.common.model import resolve_model
         from agentrl.engine.serve import VLLMServer, VLLMServerConfig
-        from agentrl.model import resolve_model
         from agentrl.toolservers.process import start_toolserver
 
         cfg = self.config
@@ -483,8 +442,8 @@ class Supervisor:
         load_config(path)  # validate now, in the supervisor, with the learner's own rules
         return path, data
 
-    def _start(self, name: str, argv: list[str]) -> Proc:
-        proc = Proc(name, argv, self.out / "logs" / f"{name}.log").start()
+    def _start(self, name: str, argv: list[str]) -> ChildProcess:
+        proc = ChildProcess(name, argv, log_path=self.out / "logs" / f"{name}.log").start()
         self.procs.append(proc)
         print(f"started {name} (pid {proc.pid}, log {proc.log_path})", flush=True)
         return proc
@@ -532,9 +491,9 @@ class Supervisor:
         return summary
 
     async def _sft_phase(self) -> None:
+        from agentrl.common.trajectory import TrajectoryGroup
+        from agentrl.common.transport import GroupSender
         from agentrl.engine.episode import build_gold_trajectory
-        from agentrl.engine.trajectory import TrajectoryGroup
-        from agentrl.engine.transport import GroupSender
 
         cfg = self.config
         tasks = self.world.questions("train", hops=cfg.sft.hops, num=cfg.sft.num_examples, seed=cfg.seed + 100)
@@ -690,8 +649,8 @@ class ActorConfig:
 
 
 async def run_actor(cfg: ActorConfig) -> int:
+    from agentrl.common.transport import GroupSender, VersionSubscriber
     from agentrl.engine.orchestrator import Orchestrator
-    from agentrl.engine.transport import GroupSender, VersionSubscriber
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

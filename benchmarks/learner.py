@@ -71,7 +71,7 @@ def _load() -> float:
 def _model():
     from transformers import AutoModelForCausalLM
 
-    from agentrl.model import prepare_model
+    from agentrl.common.model import prepare_model
 
     model = AutoModelForCausalLM.from_pretrained(prepare_model(), dtype=torch.float32)
     model.config._attn_implementation = "sdpa"

@@ -330,7 +330,7 @@ class LatencyTool(LocalSearchTool):
 
 def turn_params(env, state, sampling):
     """The sampling parameters `episode.run_episode` uses for this turn (group_size 1: sample index 0)."""
-    from agentrl.engine.inference import SamplingParams
+    from agentrl.common.inference import SamplingParams
 
     seed = None if sampling.seed is None else sampling.seed + len(state.turns)
     return SamplingParams(max_tokens=env.max_new_tokens(state), temperature=sampling.temperature, top_p=sampling.top_p,
@@ -487,7 +487,7 @@ def main() -> int:
     args.max_turns = 4
     args.concurrency, args.window_s, args.warmup_s, args.runs = 32, 12.0, 3.0, 3
 
-    from agentrl.model import prepare_model
+    from agentrl.common.model import prepare_model
 
     model_dir = str(prepare_model())
     result: dict = {"benchmark": "rollout", **machine(), "load_average_1m_start": round(os.getloadavg()[0], 2)}

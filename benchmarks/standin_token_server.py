@@ -1,7 +1,7 @@
 """STAND-IN token server for the orchestrator capacity benchmark (not an inference server).
 
 It answers vLLM's token-in/token-out endpoint (`POST /inference/v1/generate`, the shape
-`agentrl.engine.inference.VLLMClient` reads) at once, without a model, so that a benchmark measures
+`agentrl.common.inference.VLLMClient` reads) at once, without a model, so that a benchmark measures
 only the orchestrator's own work per turn. Runs in its own process:
 
     python benchmarks/standin_token_server.py --port PORT --tokenizer MODEL_DIR

@@ -163,19 +163,16 @@ def serve_http(tool_name: str, port: int, corpus: str | None, cache_dir: str | N
 
 
 def start_http(tool: str, corpus: str, cache_dir: str):
+    import tempfile
+
     from agentrl.toolservers.process import ToolServerProcess
 
-    port = free_port()
-    popen = subprocess.Popen(
-        [sys.executable, __file__, "--serve-http", tool, "--port", str(port), "--corpus", corpus,
-         "--cache-dir", cache_dir],
-        stdout=subprocess.PIPE, stderr=sys.stderr, start_new_session=True,
-    )
-    line = popen.stdout.readline().decode().strip()
-    if not line.startswith("READY "):
-        popen.kill()
-        raise RuntimeError(f"HTTP baseline for {tool} did not start: {line!r}")
-    return ToolServerProcess(tool, popen, line.split(" ", 1)[1], "")
+    argv = [sys.executable, __file__, "--serve-http", tool, "--port", str(free_port()), "--corpus", corpus,
+            "--cache-dir", cache_dir]
+    log_path = tempfile.mkstemp(prefix=f"agentrl-http-baseline-{tool}-", suffix=".log")[1]
+    proc = ToolServerProcess(f"http-{tool}", argv, log_path=log_path).start()
+    proc.endpoint = proc.wait_for_line("READY ", 120.0).split(" ", 1)[1]
+    return proc
 
 
 def free_port() -> int:

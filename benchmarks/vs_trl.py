@@ -104,14 +104,14 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
 
     from transformers import AutoTokenizer
 
-    from agentrl.config import deep_merge
+    from agentrl.common.config import deep_merge
+    from agentrl.common.model import resolve_model
     from agentrl.engine.chat import ChatFormat
     from agentrl.engine.env import ToolEnv
     from agentrl.engine.episode import build_gold_trajectory
     from agentrl.engine.rewards import RewardSchedule
     from agentrl.engine.tools import FunctionTool
     from agentrl.learner.trainer import OptimizerConfig
-    from agentrl.model import resolve_model
     from agentrl.toolservers.search import SearchTool
     from agentrl.train import curriculum_stream, make_world
 
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         config.tasks.heldout_num = args.heldout_num
     info = machine_info()
 
-    from agentrl.config import dump_toml
+    from agentrl.common.config import dump_toml
 
     config_path = out / "agentrl_config.toml"
     config_path.write_text(dump_toml(dataclasses.asdict(config)))

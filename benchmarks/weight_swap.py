@@ -34,8 +34,8 @@ def machine_info() -> dict:
 async def bench(server, num_swaps: int, num_inflight: int) -> dict:
     from safetensors.torch import load_file
 
-    from agentrl.engine.inference import SamplingParams, VLLMClient
-    from agentrl.engine.weights import push_weights
+    from agentrl.common.inference import SamplingParams, VLLMClient
+    from agentrl.common.weights import push_weights
 
     original = load_file(f"{server.model_dir}/model.safetensors")
     gen = torch.Generator().manual_seed(0)

@@ -34,7 +34,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.config import from_dict
+from agentrl.common.config import from_dict
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
@@ -125,11 +125,11 @@ class Services:
     async def __aenter__(self):
         from transformers import AutoTokenizer
 
+        from agentrl.common.model import resolve_model
         from agentrl.engine.chat import ChatFormat
         from agentrl.engine.env import ToolEnv
         from agentrl.engine.pool import ServerPool
         from agentrl.engine.tools import remote_tools
-        from agentrl.model import resolve_model
         from agentrl.toolservers.client import ToolClient
 
         cfg = self.config
@@ -258,7 +258,7 @@ def eval_main(argv: list[str]) -> int:
 
 
 async def _eval(config: RunConfig, baselines: bool) -> int:
-    from agentrl.model import default_model_dir, resolve_model
+    from agentrl.common.model import default_model_dir, resolve_model
 
     with tempfile.TemporaryDirectory(prefix="agentrl-eval-") as workdir:
         tasks, corpus = load_tasks(config.tasks, Path(workdir))

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy as np
 
+from agentrl.common.trajectory import Trajectory, Turn
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, EXAMPLE_MESSAGES, IM_END, ChatFormat, system_prompt
 from agentrl.engine.metrics import exact_match, f1_score
 from agentrl.engine.parsers import HermesParser, ToolCall, ToolCallParser
 from agentrl.engine.tasks import QATask
 from agentrl.engine.tools import Tool, ToolResult
-from agentrl.engine.trajectory import Trajectory, Turn
 
 
 @dataclass

@@ -19,11 +19,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from agentrl.common.inference import Generation, InferenceServerError, SamplingParams
+from agentrl.common.trajectory import Trajectory
 from agentrl.engine.env import ToolEnv
-from agentrl.engine.inference import Generation, InferenceServerError, SamplingParams
 from agentrl.engine.tasks import QATask
 from agentrl.engine.tools import ToolUnavailable
-from agentrl.engine.trajectory import Trajectory
 
 GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Generation]]
 

@@ -39,11 +39,11 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from agentrl.common.trajectory import TrajectoryGroup
+from agentrl.common.transport import VersionSubscriber
 from agentrl.engine.env import ToolEnv
 from agentrl.engine.episode import GenerateFn, SamplingConfig, run_episode
 from agentrl.engine.tasks import QATask
-from agentrl.engine.trajectory import TrajectoryGroup
-from agentrl.engine.transport import VersionSubscriber
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from agentrl.engine.inference import Generation, InferenceServerUnavailable, SamplingParams, VLLMClient
+from agentrl.common.inference import Generation, InferenceServerUnavailable, SamplingParams, VLLMClient
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentrl.engine.trajectory import Trajectory
+from agentrl.common.trajectory import Trajectory
 
 # Names of the process reward terms the ToolEnv emits (keys of Turn.process_rewards).
 VALID_CALL = "valid_call"

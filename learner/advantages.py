@@ -39,7 +39,7 @@ from typing import Literal
 
 import numpy as np
 
-from agentrl.engine.trajectory import Trajectory, TrajectoryGroup
+from agentrl.common.trajectory import Trajectory, TrajectoryGroup
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")

@@ -40,7 +40,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from agentrl.engine.trajectory import Trajectory
+from agentrl.common.trajectory import Trajectory
 
 Kernels = Literal["fused", "reference"]
 

@@ -39,7 +39,7 @@ import msgpack
 import numpy as np
 import torch
 
-from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
+from agentrl.common.trajectory import TrajectoryGroup, decode_group, encode_group
 
 CHECKPOINT_PREFIX = "step-"
 

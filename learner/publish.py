@@ -91,7 +91,7 @@ class WeightPublisher:
         return stall_s
 
     async def _push(self, version: int, snapshot: dict[str, torch.Tensor]) -> PushReport:
-        from agentrl.engine.weights import push_weights, write_weights
+        from agentrl.common.weights import push_weights, write_weights
 
         t0 = time.perf_counter()
         self._num_pushes += 1

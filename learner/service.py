@@ -70,9 +70,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from agentrl.config import from_dict
+from agentrl.common.config import from_dict
+from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.engine.rewards import RewardSchedule
-from agentrl.engine.trajectory import TrajectoryGroup
 from agentrl.learner.advantages import RewardWeights, compute_advantages, filter_groups
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches
 from agentrl.learner.distributed import (
@@ -104,7 +104,7 @@ class LearnerConfig:
     output_dir: str
     """Folder for metrics.jsonl, tensorboard/, checkpoints/ and spool/ (created)."""
     model_dir: str | None = None
-    """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.model)."""
+    """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.common.model)."""
     mode: Literal["rl", "sft"] = "rl"
     """"rl": the policy-gradient loss; "sft": masked NLL on the action tokens of (gold) trajectories."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -121,7 +121,7 @@ class LearnerConfig:
     recompute their contexts under the new weights; the pushes in between keep the keys and values
     computed so far (far less work for a CPU server; the behavior log-probs still describe what
     sampled, but reused keys may be up to kv_refresh_every - 1 versions older than the version
-    labels say). 1 = every push (exact). engine/weights.py, step 3."""
+    labels say). 1 = every push (exact). agentrl/common/weights.py, step 3."""
     checkpoint_every: int = 10
     """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
     keep_checkpoints: int = 2
@@ -245,7 +245,7 @@ class Learner:
     def _load_model(self):
         from transformers import AutoModelForCausalLM
 
-        from agentrl.model import resolve_model
+        from agentrl.common.model import resolve_model
 
         path = resolve_model(self.config.model_dir)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -611,7 +611,7 @@ class Learner:
         """The oldest version the servers serve now: after a restart or an init from another
         learner's checkpoint the servers are not at version 0, and the orchestrator's staleness
         gate must see what they really serve."""
-        from agentrl.engine.inference import VLLMClient
+        from agentrl.common.inference import VLLMClient
 
         versions = []
         for url in self.config.server_urls:
@@ -621,7 +621,7 @@ class Learner:
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> int:
-        from agentrl.engine.transport import GroupReceiver, VersionPublisher
+        from agentrl.common.transport import GroupReceiver, VersionPublisher
 
         cfg = self.config
         loop = asyncio.get_running_loop()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agentrl.engine.trajectory import Trajectory, TrajectoryGroup, Turn
+from agentrl.common.trajectory import Trajectory, TrajectoryGroup, Turn
 
 
 def make_trajectory(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.model import prepare_model
+from agentrl.common.model import prepare_model
 
 
 @pytest.fixture(scope="session")

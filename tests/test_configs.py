@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.config import deep_merge, dump_toml
+from agentrl.common.config import deep_merge, dump_toml
 from agentrl.learner.service import load_config as load_learner_config
 from agentrl.train import DEFAULT_CONFIG, load_train_config
 

@@ -7,16 +7,16 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from agentrl.common.inference import Generation
+from agentrl.common.model import prepare_model
+from agentrl.common.trajectory import TrajectoryGroup, decode_group, encode_group
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_gold_trajectory, run_episode
-from agentrl.engine.inference import Generation
 from agentrl.engine.rewards import RewardSchedule
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import FunctionTool, LocalSearchTool, ToolUnavailable
-from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
-from agentrl.model import prepare_model
 
 # A malformed-call corpus: each line is one action a policy might produce.
 MALFORMED_ACTIONS = [

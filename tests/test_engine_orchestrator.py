@@ -10,14 +10,14 @@ import socket
 import pytest
 from transformers import AutoTokenizer
 
+from agentrl.common.inference import Generation
+from agentrl.common.model import prepare_model
+from agentrl.common.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig, ToolEnv
-from agentrl.engine.inference import Generation
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import LocalSearchTool
-from agentrl.engine.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
-from agentrl.model import prepare_model
 
 
 def endpoint() -> str:

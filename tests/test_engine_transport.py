@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from agentrl.engine.inference import (
+from agentrl.common.inference import (
     InferenceServerError,
     InferenceServerUnavailable,
     SamplingParams,
     VLLMClient,
 )
-from agentrl.engine.trajectory import Trajectory, TrajectoryGroup, Turn
-from agentrl.engine.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
+from agentrl.common.trajectory import Trajectory, TrajectoryGroup, Turn
+from agentrl.common.transport import GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 
 
 def endpoint() -> str:

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
+from agentrl.common.inference import SamplingParams
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig
-from agentrl.engine.inference import SamplingParams
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.pool import ServerPool
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from agentrl import model as model_mod
-from agentrl.engine.inference import InferenceServerUnavailable, SamplingParams, VLLMClient
+from agentrl.common.inference import InferenceServerUnavailable, SamplingParams, VLLMClient
+from agentrl.common.weights import WeightPushError, push_weights, reset_kv_cache, write_weights
 from agentrl.engine.serve import free_port
-from agentrl.engine.weights import WeightPushError, push_weights, reset_kv_cache, write_weights
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 

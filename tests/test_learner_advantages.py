@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from agentrl.engine.trajectory import TrajectoryGroup
+from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.learner.advantages import (
     AdvantageConfig,
     RewardWeights,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agentrl.engine.transport import GroupSender
+from agentrl.common.transport import GroupSender
 from agentrl.learner.ledger import load_latest_checkpoint
 from agentrl.learner.metrics import read_metrics
 from agentrl.learner.synthetic import make_group, tiny_llama
@@ -280,8 +280,8 @@ async def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
 async def test_torchrun_learner_publishes_gathered_weights_to_vllm(vllm_server, model_dir, tmp_path):
     """SmolLM2 under 2 ranks pushes to the shared real vLLM server: rank 0 gathers the sharded
     weights after each step and the server ends up serving the learner's version 2."""
-    from agentrl.engine.inference import VLLMClient
-    from agentrl.engine.weights import push_weights
+    from agentrl.common.inference import VLLMClient
+    from agentrl.common.weights import push_weights
 
     run_dir = tmp_path / "run"
     endpoint = f"tcp://127.0.0.1:{_free_port()}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.engine import weights
+from agentrl.common import weights
 from agentrl.learner.publish import WeightPublisher
 
 

@@ -31,16 +31,16 @@ def _free_port() -> int:
 
 
 async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_server, tokenizer, model_dir, tmp_path):
+    from agentrl.common.inference import VLLMClient
+    from agentrl.common.transport import GroupSender, VersionSubscriber
+    from agentrl.common.weights import push_weights
     from agentrl.engine.chat import ChatFormat
     from agentrl.engine.env import EnvConfig, ToolEnv
     from agentrl.engine.episode import SamplingConfig
-    from agentrl.engine.inference import VLLMClient
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
     from agentrl.engine.pool import ServerPool
     from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import remote_tools
-    from agentrl.engine.transport import GroupSender, VersionSubscriber
-    from agentrl.engine.weights import push_weights
     from agentrl.toolservers.client import ToolClient
     from agentrl.toolservers.process import start_toolserver
 

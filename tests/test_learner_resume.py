@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.engine.transport import GroupSender
+from agentrl.common.transport import GroupSender
 from agentrl.learner.ledger import load_latest_checkpoint
 from agentrl.learner.metrics import read_metrics
 from agentrl.learner.synthetic import make_group, tiny_llama

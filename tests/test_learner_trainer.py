@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.engine.trajectory import TrajectoryGroup
+from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.kernels.policy_loss import PolicyLossConfig
 from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches, pack_first_fit

@@ -149,7 +149,7 @@ def test_agentrl_side_config_round_trips_through_the_train_cli_loader(tmp_path):
     """vs_trl.py hands `agentrl train --config` the job it exports to the TRL side."""
     import dataclasses
 
-    from agentrl.config import dump_toml
+    from agentrl.common.config import dump_toml
     from agentrl.train import load_train_config
 
     config = vs_trl.comparison_config(2.5)

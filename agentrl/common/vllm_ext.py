@@ -1,7 +1,7 @@
 """vLLM worker extension: validated, in-place weight reload from a safetensors file.
 
 Loaded inside each vLLM worker process via `--worker-extension-cls
-agentrl.engine.vllm_ext.WeightSwapExtension` and called through `collective_rpc` (over HTTP: `POST /collective_rpc {"method": ..., "args": [...]}`). A push is two
+agentrl.common.vllm_ext.WeightSwapExtension` and called through `collective_rpc` (over HTTP: `POST /collective_rpc {"method": ..., "args": [...]}`). A push is two
 calls: `agentrl_stage_weights(path)` reads and validates while the server keeps generating, then,
 with generation paused, `agentrl_apply_staged()` reloads; the pause covers only the reload.
 

@@ -44,7 +44,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from agentrl.engine.trajectory import TrajectoryGroup, decode_group, encode_group
+from agentrl.common.trajectory import TrajectoryGroup, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 

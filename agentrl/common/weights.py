@@ -156,7 +156,7 @@ def push_main(argv: list[str]) -> int:
     async def run() -> PushResult:
         version = args.version
         if version is None:
-            from agentrl.engine.inference import VLLMClient
+            from agentrl.common.inference import VLLMClient
 
             async with VLLMClient(args.server) as client:
                 version = await client.weight_version() + 1
