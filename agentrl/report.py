@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from agentrl.common.config import read_jsonl  # noqa: E402
+from agentrl.common.files import read_jsonl  # noqa: E402
 
 
 def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:

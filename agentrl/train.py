@@ -43,7 +43,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.common.config import deep_merge, dump_toml, from_dict, read_jsonl, to_dict
+from agentrl.common.config import deep_merge, dump_toml, from_dict, to_dict
+from agentrl.common.files import read_jsonl
 from agentrl.common.procs import ChildProcess
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig

@@ -41,16 +41,20 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages  # noqa: E402
+from agentrl.learner.advantages import AdvantageConfig, compute_advantages  # noqa: E402
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches  # noqa: E402
 from agentrl.learner.publish import WeightPublisher, snapshot_weights  # noqa: E402
-from agentrl.learner.synthetic import make_group  # noqa: E402
+from agentrl.learner.rewards import RewardWeights  # noqa: E402
 from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' synthetic trajectories
+from support.synthetic import make_group  # noqa: E402
 
 NUM_GROUPS, GROUP_SIZE = 2, 2
 LAYOUT = dict(prompt_len=250, turns=[(60, 80), (50, 0)])

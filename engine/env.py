@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import jsonschema
 import numpy as np
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.trajectory import Trajectory, Turn
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, EXAMPLE_MESSAGES, IM_END, ChatFormat, system_prompt
@@ -41,7 +42,7 @@ from agentrl.engine.tasks import QATask
 from agentrl.engine.tools import Tool, ToolResult
 
 
-@dataclass
+@config_dataclass
 class EnvConfig:
     max_turns: int = 4
     """Policy turns per episode; the episode is truncated after the last one."""

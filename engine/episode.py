@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.inference import Generation, InferenceServerError, SamplingParams
 from agentrl.common.trajectory import Trajectory
 from agentrl.engine.env import ToolEnv
@@ -28,7 +28,7 @@ from agentrl.engine.tools import ToolUnavailable
 GenerateFn = Callable[[list[int], SamplingParams], Awaitable[Generation]]
 
 
-@dataclass
+@config_dataclass
 class SamplingConfig:
     temperature: float = 1.0
     """0 = greedy."""

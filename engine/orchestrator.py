@@ -39,6 +39,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import VersionSubscriber
 from agentrl.engine.env import ToolEnv
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 Sink = Callable[[TrajectoryGroup], Awaitable[None]]
 
 
-@dataclass
+@config_dataclass
 class OrchestratorConfig:
     group_size: int = 8
     """Samples per prompt (GRPO's n)."""

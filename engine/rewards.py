@@ -1,17 +1,14 @@
-"""Reward terms and the reward schedule.
+"""Process reward terms: their names and raw values.
 
 The `ToolEnv` records every reward term raw and separately: per turn a dict of process terms
-(`Turn.process_rewards`), per episode one task reward. Nothing is weighted at rollout time, so a
-run can be re-weighted or plotted term by term afterwards. The learner applies a `RewardSchedule`
-at training time: early in training process rewards (valid, useful tool calls) carry most of the
-weight, later the task reward does (e.g. 0.7/0.3 -> 0.3/0.7 over N optimizer steps).
+(`Turn.process_rewards`), per episode one task reward. Nothing is weighted at rollout time;
+weighting (the reward schedule) is the learner's, at training time (agentrl.learner.rewards).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-from agentrl.common.trajectory import Trajectory
+from agentrl.common.config import config_dataclass
 
 # Names of the process reward terms the ToolEnv emits (keys of Turn.process_rewards).
 VALID_CALL = "valid_call"
@@ -24,7 +21,7 @@ NO_ACTION = "no_action"
 NO_ANSWER = "no_answer"
 
 
-@dataclass
+@config_dataclass
 class ProcessRewardConfig:
     """Raw value of each process reward term, per occurrence (unitless reward points)."""
 
@@ -51,41 +48,3 @@ class ProcessRewardConfig:
 
     def value(self, term: str) -> float:
         return float(getattr(self, term))
-
-
-@dataclass
-class RewardSchedule:
-    """Linear shift of weight from process to task reward over training steps.
-
-    weight(step) goes from (process_start, task_start) at step 0 to (process_end, task_end) at
-    `num_steps`, linearly, and stays there."""
-
-    process_start: float = 0.7
-    task_start: float = 0.3
-    process_end: float = 0.3
-    task_end: float = 0.7
-    num_steps: int = 200
-    """Optimizer steps over which the weights move."""
-
-    def __post_init__(self) -> None:
-        if self.num_steps < 0:
-            raise ValueError(f"RewardSchedule.num_steps must be >= 0, got {self.num_steps}")
-
-    def weights(self, step: int) -> tuple[float, float]:
-        """(process weight, task weight) at optimizer step `step`."""
-        frac = 1.0 if self.num_steps == 0 else min(max(step / self.num_steps, 0.0), 1.0)
-        return (self.process_start + frac * (self.process_end - self.process_start),
-                self.task_start + frac * (self.task_end - self.task_start))
-
-    def turn_rewards(self, traj: Trajectory, step: int) -> list[float]:
-        """Weighted reward of each turn: process weight x the sum of its process terms, plus task
-        weight x task reward on the last turn. Sums to `episode_reward`."""
-        w_process, w_task = self.weights(step)
-        out = [w_process * sum(t.process_rewards.values()) for t in traj.turns]
-        if out:
-            out[-1] += w_task * traj.task_reward
-        return out
-
-    def episode_reward(self, traj: Trajectory, step: int) -> float:
-        w_process, w_task = self.weights(step)
-        return w_process * sum(sum(t.process_rewards.values()) for t in traj.turns) + w_task * traj.task_reward

@@ -26,9 +26,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.model import resolve_model
 from agentrl.common.procs import ChildProcess
 
@@ -50,7 +51,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclass
+@config_dataclass
 class VLLMServerConfig:
     model_dir: str | None = None
     """HF model folder; None means the prepared SmolLM2-135M-Instruct."""

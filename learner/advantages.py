@@ -2,13 +2,8 @@
 
 Shape legend: T = tokens of one trajectory (prompt + actions + observations), n = samples per group.
 
-Rewards. The engine records reward terms raw (`Turn.process_rewards`, `Trajectory.task_reward`);
-the learner weights them here with `RewardWeights` (the reward schedule supplies the weights per
-step). A trajectory's token-level rewards `rewards_T` are zero everywhere except:
-- at the last action token of each turn: that turn's weighted process reward (the turn boundary
-  where the engine recorded it; an empty action span puts it on the last action token before it);
-- at the last action token of the trajectory: the weighted task reward.
-Its return is `rewards_T.sum()`.
+Rewards are weighted in one place, `rewards.py` (`trajectory_return`, `token_rewards`); the
+estimators below only combine those numbers.
 
 Estimators (all produce token-level advantages that are exactly 0 on non-action tokens, Agent-R1's
 advantage mask):
@@ -39,24 +34,16 @@ from typing import Literal
 
 import numpy as np
 
-from agentrl.common.trajectory import Trajectory, TrajectoryGroup
+from agentrl.common.config import config_dataclass
+from agentrl.common.trajectory import TrajectoryGroup
+from agentrl.learner.rewards import RewardWeights, token_rewards, trajectory_return
 
 Estimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
-@dataclass(frozen=True)
-class RewardWeights:
-    """Weights of the raw reward terms at one training step (from the engine's reward schedule)."""
-
-    process: float = 1.0
-    """Multiplies every process reward term of every turn (dimensionless)."""
-    task: float = 1.0
-    """Multiplies the final task reward (dimensionless)."""
-
-
-@dataclass
+@config_dataclass
 class AdvantageConfig:
     estimator: Estimator = "grpo"
     """Which estimator (module docstring)."""
@@ -95,28 +82,6 @@ class Filtered:
     """group ids dropped because too few samples were usable."""
     dropped_equal_rewards: list[str] = field(default_factory=list)
     """group ids dropped by dynamic sampling."""
-
-
-def token_rewards(traj: Trajectory, weights: RewardWeights) -> np.ndarray:
-    """[T] float32 weighted rewards placed at turn boundaries (module docstring)."""
-    rewards_T = np.zeros(traj.num_tokens, dtype=np.float32)
-    action_idx = np.flatnonzero(traj.is_action)
-    if action_idx.size == 0:
-        return rewards_T
-    for turn in traj.turns:
-        term = weights.process * float(sum(turn.process_rewards.values()))
-        if term == 0.0:
-            continue
-        before = action_idx[action_idx < turn.action_end]
-        rewards_T[before[-1] if before.size else action_idx[0]] += term
-    rewards_T[action_idx[-1]] += weights.task * float(traj.task_reward)
-    return rewards_T
-
-
-def trajectory_return(traj: Trajectory, weights: RewardWeights) -> float:
-    """Weighted return of a trajectory; defined even when it has no action token."""
-    process = sum(sum(t.process_rewards.values()) for t in traj.turns)
-    return float(weights.process * process + weights.task * traj.task_reward)
 
 
 def filter_groups(groups: list[TrajectoryGroup], weights: RewardWeights, config: AdvantageConfig) -> Filtered:

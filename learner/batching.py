@@ -52,8 +52,11 @@ class Sample:
     group_id: str
     sample_index: int
     trajectory: Trajectory
-    advantages_T: np.ndarray
-    """[T] float32, zero on non-action tokens."""
+    advantages_T: np.ndarray | None
+    """[T] float32, zero on non-action tokens; None where the step computes them (GAE: from the
+    critic's values and `rewards_T`) or needs none (SFT)."""
+    rewards_T: np.ndarray | None = None
+    """[T] float32 weighted token rewards (`rewards.token_rewards`); only GAE reads them."""
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +74,8 @@ class MicroBatch:
     targets_N: torch.Tensor
     """int64 the action token ids."""
     behavior_logprobs_N: torch.Tensor
-    advantages_N: torch.Tensor
+    advantages_N: torch.Tensor | None
+    """None when the samples carry none (GAE computes them in the step; SFT needs none)."""
     policy_versions_N: torch.Tensor
     seq_ids_N: torch.Tensor
     """int64 in [0, num_seqs): which sequence of this row the token belongs to."""
@@ -122,6 +126,8 @@ def build_micro_batches(
     """Pack samples into rows (module docstring), or use the given `rows` of sample indices, and
     build the per-row tensors."""
     rows = rows if rows is not None else pack_first_fit([s.num_tokens for s in samples], max_row_tokens)
+    if len({s.advantages_T is None for s in samples}) > 1:
+        raise ValueError("either every sample of a batch carries advantages or none does")
     out = []
     for row in rows:
         ids, pos, gather, targets, behav, adv, versions, seq_ids = [], [], [], [], [], [], [], []
@@ -137,7 +143,8 @@ def build_micro_batches(
             gather.append(offset + action_T - 1)
             targets.append(traj.token_ids[action_T].astype(np.int64))
             behav.append(traj.behavior_logprobs[action_T])
-            adv.append(sample.advantages_T[action_T].astype(np.float32))
+            if sample.advantages_T is not None:
+                adv.append(sample.advantages_T[action_T].astype(np.float32))
             versions.append(traj.policy_versions[action_T].astype(np.int64))
             seq_ids.append(np.full(action_T.shape[0], s_idx, dtype=np.int64))
             offset += num_tokens
@@ -148,7 +155,7 @@ def build_micro_batches(
             gather_idx_N=torch.from_numpy(np.concatenate(gather)),
             targets_N=torch.from_numpy(np.concatenate(targets)),
             behavior_logprobs_N=torch.from_numpy(np.concatenate(behav).astype(np.float32)),
-            advantages_N=torch.from_numpy(np.concatenate(adv)),
+            advantages_N=torch.from_numpy(np.concatenate(adv)) if adv else None,
             policy_versions_N=torch.from_numpy(np.concatenate(versions)),
             seq_ids_N=torch.from_numpy(np.concatenate(seq_ids)),
             num_seqs=len(row_samples),

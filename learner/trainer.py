@@ -39,14 +39,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from agentrl.common.config import config_dataclass
 from agentrl.kernels.policy_loss import PolicyLossConfig
-from agentrl.learner.advantages import AdvantageConfig, RewardWeights, gae, token_rewards
+from agentrl.learner.advantages import AdvantageConfig, gae
 from agentrl.learner.batching import Kernels, MicroBatch, PackedPolicy
 
 Precision = Literal["fp32", "bf16"]
 
 
-@dataclass
+@config_dataclass
 class OptimizerConfig:
     lr: float = 1e-6
     """AdamW learning rate (per step), after warm-up."""
@@ -68,7 +69,7 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
 
 
-@dataclass
+@config_dataclass
 class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -213,32 +214,33 @@ class Trainer:
                       temperature=self.config.temperature, with_entropy=with_entropy,
                       shared_prefix_len=mb.shared_prefix_len if self.config.share_prefix else 0)
 
-    def _gae_advantages(
-        self, mb: MicroBatch, values_N: torch.Tensor, weights: RewardWeights
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gae_advantages(self, mb: MicroBatch, values_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages_N, returns_N) of the micro-batch by GAE from the critic's values (detached)
+        and each sample's weighted token rewards (prepared with the batch)."""
         adv_cfg = self.config.advantage
         values = values_N.detach().float().cpu().numpy()
         adv_N = np.zeros_like(values)
         ret_N = np.zeros_like(values)
         seq_ids = mb.seq_ids_N.cpu().numpy()
         for s_idx, sample in enumerate(mb.samples):
+            if sample.rewards_T is None:
+                raise ValueError(f"sample {sample.group_id}/{sample.sample_index} has no rewards_T; GAE needs them")
             rows = np.flatnonzero(seq_ids == s_idx)
             traj = sample.trajectory
             action_T = np.flatnonzero(traj.is_action[1:]) + 1
             values_T = np.zeros(traj.num_tokens, dtype=np.float32)
             values_T[action_T] = values[rows]
-            rewards_T = token_rewards(traj, weights)
-            adv_T, ret_T = gae(rewards_T, values_T, traj.is_action, adv_cfg.gamma, adv_cfg.lam)
+            adv_T, ret_T = gae(sample.rewards_T, values_T, traj.is_action, adv_cfg.gamma, adv_cfg.lam)
             adv_N[rows] = adv_T[action_T]
             ret_N[rows] = ret_T[action_T]
         return torch.from_numpy(adv_N).to(values_N.device), torch.from_numpy(ret_N).to(values_N.device)
 
     @on_device
-    def rl_step(self, micro_batches: list[MicroBatch], reward_weights: RewardWeights | None = None) -> StepStats:
+    def rl_step(self, micro_batches: list[MicroBatch]) -> StepStats:
         """Accumulate the decoupled-PPO gradient over the micro-batches, then one optimizer step.
 
-        `reward_weights` is needed only by the 'gae' estimator (it places rewards inside the step);
-        the other estimators' advantages arrive precomputed in the micro-batches. Under
+        Advantages arrive precomputed in the micro-batches, except with the 'gae' estimator, which
+        computes them here from the critic's values and the samples' weighted token rewards. Under
         torch.distributed each rank passes its own share of the batch, the same number of
         micro-batches on every rank (FSDP's collectives run once per forward).
         """
@@ -259,9 +261,9 @@ class Trainer:
             logprobs_N, entropy_N, values_N = self._forward(mb, with_entropy=True)
             advantages_N = mb.advantages_N
             if values_N is not None and cfg.advantage.estimator == "gae":
-                if reward_weights is None:
-                    raise ValueError("the 'gae' estimator needs reward_weights in rl_step")
-                advantages_N, returns_N = self._gae_advantages(mb, values_N, reward_weights)
+                advantages_N, returns_N = self._gae_advantages(mb, values_N)
+            elif advantages_N is None:
+                raise ValueError(f"micro-batch without advantages for the {cfg.advantage.estimator!r} estimator")
             ref_N = None
             if self.reference is not None:
                 with torch.no_grad():

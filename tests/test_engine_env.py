@@ -14,7 +14,6 @@ from agentrl.engine import rewards as R
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_gold_trajectory, run_episode
-from agentrl.engine.rewards import RewardSchedule
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import FunctionTool, LocalSearchTool, ToolUnavailable
 
@@ -163,16 +162,3 @@ async def test_tool_infrastructure_failure_marks_episode_failed(chat, world_task
 
 async def _raise_unavailable(arguments, timeout_s=None):
     raise ToolUnavailable("no live replica")
-
-
-def test_reward_schedule_shifts_weight(chat, world_tasks):
-    schedule = RewardSchedule(0.7, 0.3, 0.3, 0.7, num_steps=100)
-    assert schedule.weights(0) == pytest.approx((0.7, 0.3))
-    assert schedule.weights(50) == pytest.approx((0.5, 0.5))
-    assert schedule.weights(1000) == pytest.approx((0.3, 0.7))
-    world, tasks = world_tasks
-    env = make_env(chat, world, max_turns=5)
-    traj = asyncio.run(build_gold_trajectory(env, tasks[0]))
-    process = sum(sum(t.process_rewards.values()) for t in traj.turns)
-    assert schedule.episode_reward(traj, 0) == pytest.approx(0.7 * process + 0.3 * 1.0)
-    assert sum(schedule.turn_rewards(traj, 100)) == pytest.approx(schedule.episode_reward(traj, 100))

@@ -2,17 +2,17 @@
 
 import numpy as np
 import pytest
+from support.synthetic import make_group, make_trajectory
 
 from agentrl.common.trajectory import TrajectoryGroup
-from agentrl.learner.advantages import (
-    AdvantageConfig,
+from agentrl.learner.advantages import AdvantageConfig, compute_advantages, filter_groups, gae
+from agentrl.learner.rewards import (
+    RewardSchedule,
     RewardWeights,
-    compute_advantages,
-    filter_groups,
-    gae,
     token_rewards,
+    trajectory_return,
+    turn_rewards,
 )
-from agentrl.learner.synthetic import make_group, make_trajectory
 
 # Layout used below: T = 6; tokens 0,1 prompt; 2,3 action (turn 0); 4 observation; 5 action (turn 1).
 LAYOUT = dict(prompt_len=2, turns=[(2, 1), (1, 0)])
@@ -112,5 +112,19 @@ def test_filter_drops_failed_samples_small_groups_and_equal_rewards():
 
 
 def test_config_rejects_unknown_estimator():
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ValueError, match="Input should be 'grpo'"):
         AdvantageConfig("ppo2")  # type: ignore[arg-type]
+
+
+def test_reward_schedule_weights_and_the_one_weighting():
+    """The schedule moves linearly and stays; turn rewards, the return and the token rewards are
+    the same weighting (they all derive from `turn_rewards`)."""
+    schedule = RewardSchedule(0.7, 0.3, 0.3, 0.7, num_steps=100)
+    assert schedule.weights(0) == RewardWeights(0.7, 0.3)
+    assert schedule.weights(50) == pytest.approx(RewardWeights(0.5, 0.5))
+    assert schedule.weights(500) == pytest.approx(RewardWeights(0.3, 0.7))
+    traj = _traj(1.0, process=[{"valid_call": 0.1, "tool_success": 0.1}, {"malformed_call": -0.2}])
+    w = schedule.weights(0)
+    assert turn_rewards(traj, w) == pytest.approx([0.7 * 0.2, 0.7 * -0.2 + 0.3 * 1.0])
+    assert trajectory_return(traj, w) == pytest.approx(0.3)
+    assert token_rewards(traj, w).sum() == pytest.approx(trajectory_return(traj, w))

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+from support.synthetic import make_trajectory
 
 from agentrl.common.trajectory import TrajectoryGroup
-from agentrl.learner.advantages import RewardWeights
+from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.service import Learner, LearnerConfig, load_config
-from agentrl.learner.synthetic import make_trajectory
 
 FULL = """
 output_dir = "{out}"
@@ -50,16 +50,23 @@ def test_full_config_parses_into_typed_dataclasses(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('output_dir = "x"\nlearning_rate = 1', "unknown key"),
-    ('output_dir = "x"\n[trainer.optimizer]\nlrr = 1', r"trainer.optimizer: unknown key\(s\) \['lrr'\]"),
-    ('output_dir = "x"\npublish_every = 1', "needs server_urls"),
-    ('output_dir = "x"\npublish_every = 0\n[trainer.advantage]\nestimator = "ppo"', "choose one of"),
+    ('output_dir = "x"\nlearning_rate = 1', "learning_rate: unknown key; accepted keys here: output_dir, model_dir"),
+    ('output_dir = "x"\n[trainer.optimizer]\nlrr = 1', r"trainer.optimizer.lrr: unknown key; accepted keys here: lr, betas"),
+    ('output_dir = "x"\npublish_every = 0\n[trainer.advantage]\nestimator = "ppo"',
+     r"trainer.advantage.estimator: Input should be 'grpo', 'dr_grpo'.* \(got \"ppo\"\)"),
+    ('output_dir = "x"\ntokens_per_step = "8192"', r"tokens_per_step: Input should be a valid integer \(got \"8192\"\)"),
+    ('output_dir = "x"\ntokens_per_step = 0', "tokens_per_step=0 must be > 0"),
 ])
 def test_bad_config_fails_early_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(path)
+
+
+def test_a_learner_that_publishes_needs_servers(tmp_path):
+    with pytest.raises(ValueError, match="needs server_urls"):
+        Learner(LearnerConfig(output_dir=str(tmp_path), publish_every=1))
 
 
 def _traj(index, versions, reward):
@@ -74,10 +81,11 @@ def test_stale_samples_are_rejected_and_reported(tmp_path):
     mixed = TrajectoryGroup("mixed", "t", [_traj(0, [5, 5, 4, 4], 1.0), _traj(1, [3, 3, 3, 3], 0.0),
                                            _traj(2, [2, 2, 5, 5], 1.0)])  # sample 2 has tokens 3 versions old
     old = TrajectoryGroup("old", "t", [_traj(0, [1, 1, 1, 1], 1.0), _traj(1, [0, 0, 0, 0], 0.0)])
-    samples, report = learner._prepare([mixed, old], RewardWeights())
-    assert [(s.group_id, s.sample_index) for s in samples] == [("mixed", 0), ("mixed", 1)]
+    batch = learner.prepare([mixed, old], RewardWeights())
+    report = batch.report
+    assert [(s.group_id, s.sample_index) for s in batch.samples] == [("mixed", 0), ("mixed", 1)]
     assert report["staleness/rejected_samples"] == 3
-    assert report["rejected"] == {"old": "stale"}
+    assert batch.rejected == {"old": "stale"}
     assert report["staleness/hist"] == {"0": 4, "1": 2, "2": 4, "3": 2, "4": 4, "5": 4}
     assert report["staleness/max"] == 5
     assert np.isclose(report["staleness/mean"], (0 * 4 + 1 * 2 + 2 * 4 + 3 * 2 + 4 * 4 + 5 * 4) / 20)

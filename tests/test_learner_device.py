@@ -12,13 +12,14 @@ import dataclasses
 
 import pytest
 import torch
+from support.synthetic import make_group, tiny_llama
 
 from agentrl.kernels.policy_loss import PolicyLossConfig
-from agentrl.learner.advantages import AdvantageConfig, RewardWeights
+from agentrl.learner.advantages import AdvantageConfig
 from agentrl.learner.batching import Sample, build_micro_batches
-from agentrl.learner.ledger import Spool, load_latest_checkpoint
+from agentrl.learner.checkpoint import load_latest_checkpoint
+from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.service import Learner, LearnerConfig, load_config, main, pick_device, resolve_device
-from agentrl.learner.synthetic import make_group, tiny_llama
 from agentrl.learner.trainer import OptimizerConfig, TrainerConfig
 
 VOCAB = 128
@@ -47,14 +48,14 @@ def test_cuda_needs_a_gpu_per_rank():
 def test_unknown_device_is_refused_when_the_config_loads(tmp_path):
     path = tmp_path / "learner.toml"
     path.write_text(f'output_dir = "{tmp_path}"\npublish_every = 0\ndevice = "gpu"\n')
-    with pytest.raises(ValueError, match="device='gpu': choose 'auto', 'cpu' or 'cuda'"):
+    with pytest.raises(ValueError, match=r"learner.toml: device: Input should be 'auto', 'cpu' or 'cuda' \(got \"gpu\"\)"):
         load_config(path)
 
 
 @NO_CUDA
 def test_auto_is_the_cpu_here_and_cuda_fails_at_start_with_the_fix(tmp_path, capsys):
     assert resolve_device("auto") == torch.device("cpu")
-    assert Learner(LearnerConfig(output_dir=str(tmp_path / "a"), publish_every=0)).device == torch.device("cpu")
+    assert Learner(LearnerConfig(output_dir=str(tmp_path / "a"), publish_every=0)).ranks.device == torch.device("cpu")
     # The config itself is valid anywhere (a supervisor may read it on another host); the learner refuses at start.
     config = LearnerConfig(output_dir=str(tmp_path / "b"), publish_every=0, device="cuda")
     with pytest.raises(RuntimeError, match="torch sees no CUDA device.*set device = 'cpu'"):
@@ -113,17 +114,15 @@ def _groups():
 
 def _start(config: LearnerConfig) -> Learner:
     learner = Learner(config)
-    learner._build_trainer()
-    learner.spool = Spool(learner.out / "spool")
-    learner._restore()
+    learner.start_training()
     return learner
 
 
 def _steps(learner: Learner, groups, num_steps: int) -> list[float]:
     losses = []
     for _ in range(num_steps):
-        samples, _ = learner._prepare(groups, RewardWeights())
-        stats, _ = learner._run_step(samples, RewardWeights())
+        batch = learner.prepare(groups, RewardWeights())
+        stats, _ = learner.ranks.step(batch.samples, RewardWeights())
         learner.step += 1
         losses.append(stats.loss)
     return losses
@@ -149,22 +148,22 @@ def run_learner(tmp_path, device: str, estimator: str, precision: str = "fp32") 
     out = tmp_path / f"{device}-{estimator}-{precision}"
     learner = _start(_config(out, model_dir, device, estimator, precision))
     expected = resolve_device(device)
-    assert learner.trainer.device == expected
-    assert all(p.device == expected for p in learner.trainer.policy.parameters())
-    if learner.trainer.reference is not None:
-        assert all(p.device == expected for p in learner.trainer.reference.parameters())
+    assert learner.ranks.trainer.device == expected
+    assert all(p.device == expected for p in learner.ranks.trainer.policy.parameters())
+    if learner.ranks.trainer.reference is not None:
+        assert all(p.device == expected for p in learner.ranks.trainer.reference.parameters())
     losses = _steps(learner, _groups(), 2)
     learner.checkpoint()
     state = load_latest_checkpoint(out / "checkpoints")
     assert all(t.device.type == "cpu" for t in _tensors(state)), "a checkpoint holds CPU tensors only"
     assert ("cuda" in state["rng"]) == (expected.type == "cuda")
-    snapshot = learner._snapshot()
+    snapshot = learner.ranks.snapshot()
     assert all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in snapshot.values())
     losses += _steps(learner, _groups(), 1)
 
     resumed = _start(_config(out, model_dir, device, estimator, precision))
     assert resumed.step == 2
-    for group in resumed.trainer.optimizer.state.values():
+    for group in resumed.ranks.trainer.optimizer.state.values():
         assert group["exp_avg"].device == expected and group["exp_avg_sq"].device == expected
     [again] = _steps(resumed, _groups(), 1)
     # The same step from the same state on the same device: the optimizer state came back where it trains.

@@ -7,10 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from support.fsdp_check import CHECK_BATCHES, run_check_step
 
-from agentrl.learner.distributed import CHECK_BATCHES, run_check_step
+FSDP_CHECK = Path(__file__).parent / "support" / "fsdp_check.py"
 
 
 def _free_port() -> int:
@@ -26,7 +28,7 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), "-m", "agentrl.learner.distributed", "--out", str(out)],
+         "--master_port", str(_free_port()), str(FSDP_CHECK), "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.synthetic import make_group, tiny_llama
 
 from agentrl.common.transport import GroupSender
-from agentrl.learner.ledger import load_latest_checkpoint
+from agentrl.learner.checkpoint import load_latest_checkpoint
 from agentrl.learner.metrics import read_metrics
-from agentrl.learner.synthetic import make_group, tiny_llama
 
 GROUPS_PER_STEP = 2
 MAX_STEPS = 8

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from support.synthetic import make_group, make_trajectory, tiny_llama
 
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.kernels.policy_loss import PolicyLossConfig
-from agentrl.learner.advantages import AdvantageConfig, RewardWeights, compute_advantages
+from agentrl.learner.advantages import AdvantageConfig, compute_advantages
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches, pack_first_fit
-from agentrl.learner.synthetic import make_group, make_trajectory, tiny_llama
+from agentrl.learner.rewards import RewardWeights, token_rewards
 from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig, set_trainable
 
 VOCAB = 128
@@ -186,13 +187,13 @@ def test_observation_tokens_get_zero_gradient_and_loss_matches_masked_full_logit
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def _train(config, steps, samples, reward_weights=None, value_head=False, seed=0):
+def _train(config, steps, samples, value_head=False, seed=0):
     model = tiny_llama(VOCAB, seed=seed)
     set_trainable(model, config.train_layers, config.train_embeddings)
     trainer = Trainer(PackedPolicy(model, kernels=config.kernels, value_head=value_head,
                                    compute_dtype=config.compute_dtype), config)
     mbs = build_micro_batches(samples, config.max_row_tokens)
-    return model, trainer, [trainer.rl_step(mbs, reward_weights) for _ in range(steps)], mbs
+    return model, trainer, [trainer.rl_step(mbs) for _ in range(steps)], mbs
 
 
 def _mean_logprob(trainer, mb):
@@ -247,8 +248,9 @@ def test_gae_with_value_head_fits_values():
     group = make_group("g", [1.0, 0.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
     config = TrainerConfig(precision="fp32", advantage=AdvantageConfig("gae", lam=0.9),
                            optimizer=OptimizerConfig(lr=2e-2))
-    zeros = [[np.zeros(t.num_tokens, dtype=np.float32) for t in group.trajectories]]
-    _, _, stats, _ = _train(config, 8, _samples([group], zeros), RewardWeights(), value_head=True)
+    samples = [Sample(group.group_id, t.sample_index, t, None, rewards_T=token_rewards(t, RewardWeights()))
+               for t in group.trajectories]
+    _, _, stats, _ = _train(config, 8, samples, value_head=True)
     assert stats[-1].kernel_stats["value_loss"] < 0.5 * stats[0].kernel_stats["value_loss"]
 
 

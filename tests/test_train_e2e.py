@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.learner.ledger import load_latest_checkpoint
+from agentrl.learner.checkpoint import load_latest_checkpoint
 
 CONFIG = """
 minutes = 6.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation

@@ -1,61 +1,298 @@
-"""Typed configs from TOML: dataclasses built from tables, unknown keys refused with the known ones.
+"""The typed-config system: every component's config is a pydantic dataclass, checked at the boundary.
 
-Also a small TOML writer, so a supervisor can hand each process the resolved config it runs with
-(the standard library reads TOML but does not write it), and the reader of the JSONL records a run
-writes (evaluations, metrics).
+One system for every process (`agentrl train`, `eval`, `learner`, `actor`, tool services):
+
+- A component's config is a dataclass declared with `@config_dataclass` (pydantic v2, `CONFIG`):
+  unknown keys are refused, and the docstring under each field is its description (shown by
+  `agentrl train --help`). Construction in code validates too (lax: Python values are coerced the
+  way pydantic does); ranges and cross-field rules live in `__post_init__`.
+- Files and command lines go through `build(cls, data, origins)`, which validates strictly (the
+  JSON mode of pydantic's strict validation: a TOML string is never an int, an int never a bool,
+  arrays do become tuples, tables become dataclasses). Every error names where the value came from
+  (the file, `--set`, the embedded default), the key path, what was wrong and, for unknown keys
+  and choices, what is accepted. `ConfigError` carries that message; the CLIs print it and exit 2.
+- Layers: `layer(base, override)` merges tables key by key (a table merges, anything else
+  replaces, lists included), and `origins` records which source set each key path, so a partial
+  `--config` file changes only the keys it names. `parse_override("a.b=VALUE")` reads a `--set`
+  value as a TOML value (`3`, `1e-5`, `true`, `["search"]`, `"text"`), else as a plain string.
+- `dump_toml` writes a resolved config back (the standard library reads TOML but does not write
+  it): the supervisor hands each process the config it runs with, and `--print-config` shows it.
+  None values are omitted: TOML has no null, so a None can only come from a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pydantic
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
-def from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a dict; nested dataclass fields from nested dicts (also lists of them)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a table, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; accepted: {sorted(names)}")
-    kwargs = {}
-    for key, value in data.items():
-        kwargs[key] = _convert(hints[key], value, f"{where}.{key}")
+CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+"""The pydantic settings of every agentrl config dataclass."""
+
+KeyPath = tuple[str, ...]
+Origins = dict[KeyPath, str]
+
+
+def config_dataclass(cls=None, /, **kwargs):
+    """`@config_dataclass` (or `@config_dataclass(frozen=True)`): a pydantic dataclass with `CONFIG`."""
+    def wrap(c):
+        return _pydantic_dataclass(c, config=CONFIG, **kwargs)
+
+    return wrap if cls is None else wrap(cls)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message says where, which key, and what is accepted."""
+
+
+# ---------------------------------------------------------------- reading and layering
+
+
+def read_toml(path: str | Path) -> dict:
+    """A TOML file as a dict; a missing file or a syntax error names the file (and line)."""
+    path = Path(path)
     try:
-        return cls(**kwargs)
-    except TypeError as err:
-        raise ValueError(f"{where}: {err}") from None
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
 
 
-def _convert(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    options = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
-    for option in options:
-        if dataclasses.is_dataclass(option) and isinstance(value, dict):
-            return from_dict(option, value, where)
-        if typing.get_origin(option) is list and isinstance(value, list):
-            (item,) = typing.get_args(option) or (Any,)
-            if dataclasses.is_dataclass(item):
-                return [from_dict(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-            return list(value)
-    return value
+def layer(base: dict, override: dict, *, origins: Origins | None = None, source: str = "",
+          prefix: KeyPath = ()) -> dict:
+    """`base` with `override` applied table by table; records `source` in `origins` for every key
+    path `override` sets (a table that replaces a non-table counts as set whole)."""
+    out = dict(base)
+    for key, value in override.items():
+        path = (*prefix, key)
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = layer(out[key], value, origins=origins, source=source, prefix=path)
+            continue
+        out[key] = value
+        if origins is not None:
+            for sub in _leaf_paths(value, path):
+                origins[sub] = source
+    return out
+
+
+def _leaf_paths(value: Any, path: KeyPath) -> Iterator[KeyPath]:
+    yield path
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            yield from _leaf_paths(sub, (*path, key))
+
+
+def parse_override(text: str) -> tuple[KeyPath, Any]:
+    """`a.b.c=VALUE` -> (("a", "b", "c"), value): VALUE as a TOML value, else the plain string."""
+    key, sep, raw = text.partition("=")
+    path = tuple(part.strip() for part in key.split("."))
+    if not sep or not all(path):
+        raise ConfigError(f"--set {text!r}: expected KEY.PATH=VALUE, e.g. --set learner.trainer.optimizer.lr=2e-5")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def set_path(data: dict, path: KeyPath, value: Any) -> dict:
+    """`data` with `value` at `path` (tables created as needed); `data` is not modified."""
+    out = dict(data)
+    head, *rest = path
+    if rest:
+        inner = out.get(head)
+        if inner is not None and not isinstance(inner, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: {head!r} is a value, not a table")
+        out[head] = set_path(inner or {}, tuple(rest), value)
+    else:
+        out[head] = value
+    return out
+
+
+# ---------------------------------------------------------------- validation
+
+
+def build(cls: type, data: dict, *, origins: Origins | None = None, default_source: str = "config") -> Any:
+    """`cls` from `data`, strictly validated; a ConfigError lists every problem."""
+    try:
+        text = json.dumps(data)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{default_source}: cannot read the config as data: {err}") from None
+    try:
+        return pydantic.TypeAdapter(cls).validate_json(text, strict=True)
+    except pydantic.ValidationError as err:
+        raise ConfigError(format_errors(cls, err, origins or {}, default_source)) from None
+
+
+def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, default_source: str) -> str:
+    """One line per bad key: `source: key.path: what is wrong (got value)[; accepted: ...]`."""
+    by_key: dict[KeyPath, list[dict]] = {}
+    for e in err.errors():
+        by_key.setdefault(_key_path(cls, e["loc"]), []).append(e)
+    lines = []
+    for key, errors in by_key.items():
+        source = _origin(origins, key, default_source)
+        where = ".".join(key) or "(top level)"
+        if any(e["type"] in ("unexpected_keyword_argument", "extra_forbidden") for e in errors):
+            accepted = field_names(_type_at(cls, key[:-1]))
+            lines.append(f"{source}: {where}: unknown key; accepted keys here: {', '.join(accepted)}")
+            continue
+        messages = []
+        for e in errors:
+            msg = e["msg"].removeprefix("Value error, ")
+            if msg not in messages:
+                messages.append(msg)
+        got = errors[0].get("input")
+        shown = "" if isinstance(got, dict) or got is None else f" (got {json.dumps(got)[:80]})"
+        lines.append(f"{source}: {where}: {' or '.join(messages)}{shown}")
+    return "\n".join(lines)
+
+
+def _origin(origins: Origins, key: KeyPath, default: str) -> str:
+    for n in range(len(key), -1, -1):
+        if key[:n] in origins:
+            return origins[key[:n]]
+    return default
+
+
+def _key_path(cls: type, loc: tuple) -> KeyPath:
+    """The config key path of a pydantic error location: list indices shown as `[i]` on the key
+    before them, union-member tags (`int`, `literal['all']`, ...) dropped."""
+    out: list[str] = []
+    tp: Any = cls
+    for part in loc:
+        if isinstance(part, int):
+            if out:
+                out[-1] += f"[{part}]"
+            tp = _item_type(tp)
+            continue
+        names = field_names(tp)
+        if names and part in names:
+            out.append(part)
+            tp = _field_type(tp, part)
+        elif not names and tp is not None and not _is_container(tp):
+            continue  # a union member's tag
+        else:
+            out.append(str(part))
+            tp = None
+    return tuple(out)
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        dataclass_members = [a for a in members if dataclasses.is_dataclass(a) or _is_container(a)]
+        return dataclass_members[0] if dataclass_members else tp
+    return tp
+
+
+def _is_container(tp: Any) -> bool:
+    return typing.get_origin(tp) in (list, tuple, dict)
+
+
+def _item_type(tp: Any) -> Any:
+    tp = _strip_optional(tp)
+    args = typing.get_args(tp)
+    return args[0] if typing.get_origin(tp) in (list, tuple) and args else None
+
+
+def _field_type(tp: Any, name: str) -> Any:
+    tp = _strip_optional(tp)
+    if not dataclasses.is_dataclass(tp):
+        return None
+    return _strip_optional(typing.get_type_hints(tp)[name])
+
+
+def _type_at(cls: type, key: KeyPath) -> Any:
+    tp: Any = cls
+    for part in key:
+        name = part.split("[", 1)[0]
+        tp = _field_type(tp, name)
+        if "[" in part:
+            tp = _item_type(tp)
+    return _strip_optional(tp)
+
+
+def field_names(tp: Any) -> list[str]:
+    tp = _strip_optional(tp)
+    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+
+
+# ---------------------------------------------------------------- describing and writing
+
+
+def describe(cls: type, prefix: str = "") -> Iterator[str]:
+    """`key.path  type = default  description` for every field, nested dataclasses expanded."""
+    hints = typing.get_type_hints(cls)
+    infos = getattr(cls, "__pydantic_fields__", {})
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        tp = _strip_optional(hints[f.name])
+        doc = (infos[f.name].description or "") if f.name in infos else ""
+        doc = " ".join(doc.split())
+        inner = _item_type(tp) if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(tp):
+            yield f"[{path}]{'  ' + doc if doc else ''}"
+            yield from describe(tp, path + ".")
+        elif inner is not None and dataclasses.is_dataclass(inner):
+            yield f"[[{path}]]{'  ' + doc if doc else ''}"
+            yield from describe(inner, path + "[].")
+        else:
+            default = _default_of(f)
+            yield f"  {path}: {_type_name(hints[f.name])}{'' if default is None else ' = ' + default}" + (f"  {doc}" if doc else "")
+
+
+def _default_of(f: dataclasses.Field) -> str | None:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "(required)"
+    if value is None:
+        return None
+    return json.dumps(to_dict(value)) if not isinstance(value, str) else json.dumps(value)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(json.dumps(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    if typing.get_origin(tp) in (list, tuple):
+        return f"{typing.get_origin(tp).__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp) if a is not Ellipsis)}]"
+    return getattr(tp, "__name__", str(tp))
 
 
 def to_dict(obj: Any) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    """A config as plain data (dataclasses -> dicts, tuples -> lists), ready for TOML or JSON."""
+    if dataclasses.is_dataclass(obj):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [to_dict(v) for v in obj]
+    return obj
 
 
 def dump_toml(data: dict) -> str:
     """TOML text for a dict of scalars, lists, and nested dicts (tables). None values are omitted."""
     lines: list[str] = []
     _dump_table(data, [], lines)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def _scalar(value: Any) -> str:
@@ -89,23 +326,4 @@ def _dump_table(data: dict, path: list[str], lines: list[str]) -> None:
 
 def deep_merge(base: dict, override: dict) -> dict:
     """`base` with `override` applied table by table (nested dicts merge, other values replace)."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL file, oldest first ([] when it does not exist; blank lines skipped). A
-    line that is not JSON (a run killed mid-write, a hand edit) is named by path and line number."""
-    if not path.exists():
-        return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line") from err
-    return records
+    return layer(base, override)

@@ -1,0 +1,43 @@
+"""Durable files: atomic writes, and the JSONL records a run appends (metrics, evaluations, stats)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (the directory entry itself is flushed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file, oldest first ([] when it does not exist; blank lines skipped). A
+    line that is not JSON (a run killed mid-write, a hand edit) is named by path and line number."""
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line") from err
+    return records

@@ -1,0 +1,1 @@
+"""Helpers for the tests (and benchmarks): valid synthetic trajectories, a tiny model, the FSDP check."""
