@@ -17,18 +17,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "push-weights": ("agentrl.common.weights:push_main", "hot-swap weights into a running server"),
     "toolserver": ("agentrl.toolservers.cli:serve_main", "run one tool service on a ZeroMQ endpoint"),
     "tool": ("agentrl.toolservers.cli:tool_main", "call or describe a running tool service"),
-    "eval": ("agentrl.engine.cli:eval_main", "evaluate a policy on a task set (EM/F1)"),
-    "rollout": ("agentrl.engine.cli:rollout_main", "run episodes and write their trajectories"),
+    "eval": ("agentrl.evaluate:eval_main", "evaluate a policy on a run's held-out tasks (EM/F1, baselines)"),
+    "rollout": ("agentrl.evaluate:rollout_main", "run episodes and write their trajectories"),
     "learner": ("agentrl.learner.cli:main", "run the learner process"),
-    "actor": ("agentrl.train:actor_main", "run the actor process (the orchestrator of a training run)"),
+    "actor": ("agentrl.engine.actor:main", "run the actor process (the orchestrator of a training run)"),
     "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
+    "export": ("agentrl.export:main", "write a run's policy as a Hugging Face model folder"),
     "demo": ("agentrl.demo:main", "serve the model, run token-in/token-out requests and one hot swap"),
 }
 
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: agentrl COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: agentrl COMMAND [ARGS...]   (agentrl --version, agentrl COMMAND --help)", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from agentrl import __version__
+
+        print(f"agentrl {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"agentrl: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

@@ -83,18 +83,15 @@ def ensure_trl_venv(log_path: Path) -> Path:
 # ---------------------------------------------------------------- the shared job
 
 
-def comparison_config(minutes: float, path: str | None = None):
-    """`agentrl train`'s config (default: the embedded CPU default), with only the search tool and no
-    in-budget evaluation."""
-    from agentrl.train import load_train_config
+COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.naive_rag=false", "eval.in_budget=false")
+"""What the comparison changes on `agentrl train`'s config: only the search tool, no in-budget evaluation."""
 
-    config = load_train_config(path)
-    config.minutes = minutes
-    config.services.tools = ["search"]
-    config.eval.every_s = 1e9
-    config.eval.naive_rag = False
-    config.eval.in_budget = False
-    return config
+
+def comparison_config(minutes: float, path: str | None = None, extra_sets: tuple[str, ...] = ()):
+    """`agentrl train`'s resolved config (default: the embedded CPU default) for the comparison."""
+    from agentrl.runconfig import load_run_config
+
+    return load_run_config(path, [*COMPARISON_SETS, f"minutes={minutes!r}", *extra_sets]).config
 
 
 def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) -> dict:
@@ -104,42 +101,41 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
 
     from transformers import AutoTokenizer
 
-    from agentrl.common.config import deep_merge
+    from agentrl.common.config import layer, to_dict
     from agentrl.common.model import resolve_model
     from agentrl.engine.chat import ChatFormat
     from agentrl.engine.env import ToolEnv
     from agentrl.engine.episode import build_gold_trajectory
-    from agentrl.engine.rewards import RewardSchedule
+    from agentrl.engine.tasks import load_passages
+    from agentrl.engine.tasksets import load_taskset
     from agentrl.engine.tools import FunctionTool
-    from agentrl.learner.trainer import OptimizerConfig
+    from agentrl.learner.service import LearnerConfig
     from agentrl.toolservers.search import SearchTool
-    from agentrl.train import curriculum_stream, make_world
 
     sys.path.insert(0, str(TRL_SIDE))
     from grpo_tools import Search  # the search service's BM25, as the TRL side runs it
 
     data_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(config.model_dir or None)
-    world = make_world(config.tasks)
-    world.write_corpus(data_dir / "corpus.jsonl")
-    heldout = world.questions("heldout", hops=config.tasks.heldout_hops, num=config.tasks.heldout_num, seed=config.seed)
+    taskset = load_taskset(config.tasks, data_dir)  # writes data_dir/corpus.jsonl
+    heldout = taskset.heldout
 
     # The RL learner starts at version sft.steps (it is initialised from the SFT checkpoint) and takes
     # one version per optimizer step; the TRL side takes `prompts_per_step` questions per step in order.
     step = {"i": 0}
     sft_steps = config.sft.steps if config.sft.enabled else 0
-    stream = curriculum_stream(world, config.tasks, lambda: sft_steps + step["i"] // prompts_per_step)
+    stream = taskset.train_stream(lambda: sft_steps + step["i"] // prompts_per_step)
     train = []
     for _ in range(num_train):
         train.append(next(stream))
         step["i"] += 1
 
     spec = SearchTool.spec
-    search = Search(world.passages)
+    search = Search(load_passages(taskset.corpus))
     search_tool = FunctionTool(spec.name, spec.description, spec.parameters, lambda query, top_k=3: search(query, top_k))
     env = ToolEnv(ChatFormat(AutoTokenizer.from_pretrained(model_dir)), config.env)
     env.register_tool(search_tool)
-    gold_tasks = world.questions("train", hops=config.sft.hops, num=config.sft.num_examples, seed=config.seed + 100)
+    gold_tasks = taskset.gold(config.sft.num_examples, 100, config.sft.hops)
 
     async def gold_all():
         return [await build_gold_trajectory(env, t) for t in gold_tasks]
@@ -158,15 +154,14 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
                 f.write(json.dumps(row) + "\n")
 
     rl_learner = config.learner
-    sft_learner = deep_merge(config.learner, config.sft.learner)
-    rl_opt = OptimizerConfig(**rl_learner.get("trainer", {}).get("optimizer", {}))
-    sft_opt = OptimizerConfig(**sft_learner.get("trainer", {}).get("optimizer", {}))
-    loss = rl_learner.get("trainer", {}).get("loss", {})
-    schedule = RewardSchedule(**rl_learner.get("reward_schedule", {}))
+    sft_learner = LearnerConfig(**layer(to_dict(config.learner), config.sft.learner))
+    rl_opt, sft_opt = rl_learner.trainer.optimizer, sft_learner.trainer.optimizer
+    loss = rl_learner.trainer.loss
+    schedule = rl_learner.reward_schedule
     rewards = dataclasses.asdict(config.env.rewards)
     rewards.pop("tool_diversity")  # one tool: the diversity term cannot occur
-    train_layers = rl_learner.get("trainer", {}).get("train_layers", "all")
-    if train_layers == "all" or rl_learner.get("trainer", {}).get("train_embeddings", True):
+    train_layers = rl_learner.trainer.train_layers
+    if train_layers == "all" or rl_learner.trainer.train_embeddings:
         raise ValueError("the TRL side mirrors only 'top k layers, frozen embedding' training; the config trains more")
     job = {
         "files": files,
@@ -177,12 +172,12 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
                                                    "max_calls_per_turn", "max_calls_per_episode")},
         "recipe": {
             "seed": config.seed, "group_size": config.orchestrator.group_size, "prompts_per_step": prompts_per_step,
-            "temperature": config.sampling.temperature, "train_layers": int(train_layers),
+            "temperature": config.orchestrator.sampling.temperature, "train_layers": int(train_layers),
             "rl_lr": rl_opt.lr, "rl_warmup_steps": rl_opt.warmup_steps, "grad_clip": rl_opt.grad_clip,
-            "eps_low": loss.get("eps_low", 0.2), "eps_high": loss.get("eps_high", 0.28),
-            "std_normalise": rl_learner.get("trainer", {}).get("advantage", {}).get("std_normalise", True),
+            "eps_low": loss.eps_low, "eps_high": loss.eps_high,
+            "std_normalise": rl_learner.trainer.advantage.std_normalise,
             "sft_enabled": config.sft.enabled, "sft_steps": config.sft.steps, "sft_lr": sft_opt.lr,
-            "sft_warmup_steps": sft_opt.warmup_steps, "sft_tokens_per_step": sft_learner.get("tokens_per_step", 8192),
+            "sft_warmup_steps": sft_opt.warmup_steps, "sft_tokens_per_step": sft_learner.tokens_per_step,
             "process_values": rewards, "reward_schedule": dataclasses.asdict(schedule),
         },
         "model_dir": str(model_dir),
@@ -255,15 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out or REPO / "runs" / f"vs_trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    config = comparison_config(args.minutes, args.config)
-    if args.heldout_num is not None:
-        config.tasks.heldout_num = args.heldout_num
+    extra = (f"tasks.options.heldout_num={args.heldout_num}",) if args.heldout_num is not None else ()
+    config = comparison_config(args.minutes, args.config, extra)
     info = machine_info()
 
-    from agentrl.common.config import dump_toml
+    from agentrl.common.config import dump_toml, to_dict
 
     config_path = out / "agentrl_config.toml"
-    config_path.write_text(dump_toml(dataclasses.asdict(config)))
+    config_path.write_text(dump_toml(to_dict(config)))
     # Enough questions for a TRL run at 10x the expected step rate; they are cycled from the pools anyway.
     num_train = max(200, int(args.minutes * 60) * args.prompts_per_step)
     job = export_job(config, out / "data", args.prompts_per_step, num_train)

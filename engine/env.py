@@ -28,6 +28,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import jsonschema
 import numpy as np
@@ -58,11 +59,11 @@ class EnvConfig:
     """Per call; a call past it is a failed result ("timed out"), not a crash."""
     max_observation_tokens: int = 512
     """Tool message content beyond this many tokens is cut (3 passages of the synthetic corpus: ~90)."""
-    task_metric: str = "em"
+    task_metric: Literal["em", "f1"] = "em"
     """Task reward: "em" (exact match in {0, 1}) or "f1"."""
     plain_text_is_answer: bool = False
     """Take an action without tags that ended with <|im_end|> as the final answer (Naive RAG)."""
-    tool_list: str = "json"
+    tool_list: Literal["json", "signature"] = "json"
     """How the system prompt lists the tools: "json" (whole schemas) or "signature" (one short line
     each); see chat.system_prompt."""
     worked_example: bool = True
@@ -72,10 +73,6 @@ class EnvConfig:
     rewards: R.ProcessRewardConfig = field(default_factory=R.ProcessRewardConfig)
 
     def __post_init__(self) -> None:
-        if self.tool_list not in ("json", "signature"):
-            raise ValueError(f"EnvConfig.tool_list must be 'json' or 'signature', got {self.tool_list!r}")
-        if self.task_metric not in ("em", "f1"):
-            raise ValueError(f"EnvConfig.task_metric must be 'em' or 'f1', got {self.task_metric!r}")
         if self.max_turns < 1 or self.max_action_tokens < 1 or self.max_total_tokens <= self.max_action_tokens:
             raise ValueError("EnvConfig needs max_turns >= 1, max_action_tokens >= 1 and max_total_tokens > max_action_tokens")
 

@@ -7,7 +7,6 @@ weighting (the reward schedule) is the learner's, at training time (agentrl.lear
 
 from __future__ import annotations
 
-
 from agentrl.common.config import config_dataclass
 
 # Names of the process reward terms the ToolEnv emits (keys of Turn.process_rewards).

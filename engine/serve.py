@@ -182,10 +182,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 2.5 on CPU)")
     parser.add_argument("--log", default=None, help="server log file (default: a temp file, printed)")
     args, extra = parser.parse_known_args(argv)
     server = VLLMServer(
-        VLLMServerConfig(args.model, args.host, args.port, args.dtype, args.gpu_memory_utilization, args.max_model_len, extra_args=extra),
+        VLLMServerConfig(model_dir=args.model, host=args.host, port=args.port, dtype=args.dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
+                         max_model_len=args.max_model_len, extra_args=extra),
         log_path=args.log,
     )
     stop = threading.Event()

@@ -205,6 +205,10 @@ class SyntheticWorld:
             cursor[h] += 1
         return out
 
+    def num_questions(self, split: str, hops: Sequence[int]) -> int:
+        """Distinct questions of `split` with the given hop counts."""
+        return sum(len(self._question_pool(split, h)) for h in set(hops))
+
     def _question_pool(self, split: str, num_hops: int) -> list[QATask]:
         pool = []
         for chain in _CHAINS[num_hops]:

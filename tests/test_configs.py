@@ -1,17 +1,21 @@
-"""Every shipped config parses, and the learner accepts the learner config the supervisor derives from it."""
+"""The run config: shipped configs parse, layers and --set compose, and every bad value fails in
+seconds with exit 2, the source, the key path and what is accepted, before any process starts."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import subprocess
+import sys
+import time
+import tomllib
 
 import pytest
 
-from agentrl.common.config import deep_merge, dump_toml
-from agentrl.learner.service import load_config as load_learner_config
-from agentrl.train import DEFAULT_CONFIG, load_train_config
+from agentrl.common.config import ConfigError, dump_toml, parse_override, to_dict
+from agentrl.learner.service import LearnerConfig
+from agentrl.runconfig import DEFAULT_CONFIG, load_run_config
+from agentrl.train import main as train_main
 
-CONFIGS = sorted((Path(DEFAULT_CONFIG).parent).glob("*.toml"))
+CONFIGS = sorted(DEFAULT_CONFIG.parent.glob("*.toml"))
 
 
 def test_configs_are_shipped():
@@ -19,47 +23,158 @@ def test_configs_are_shipped():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_shipped_config_parses(path, tmp_path):
-    config = load_train_config(path)
+def test_shipped_config_resolves_and_its_learners_validate(path):
+    resolved = load_run_config(path)
+    config = resolved.config
     assert config.minutes > 0
-    phases = [("rl", {})] + ([("sft", config.sft.learner)] if config.sft.enabled else [])
-    for phase, overrides in phases:
-        data = deep_merge(config.learner, overrides)
-        data.update(output_dir=str(tmp_path / phase), mode=phase, server_urls=["http://127.0.0.1:1"])
-        learner_path = tmp_path / f"{phase}.toml"
-        learner_path.write_text(dump_toml(data))
-        learner = load_learner_config(learner_path)
-        assert learner.mode == phase
+    # The learners the supervisor derives: [learner], and [sft.learner] layered over it.
+    assert LearnerConfig(**to_dict(config.learner)).mode == "rl"
+    if config.sft.enabled:
+        from agentrl.common.config import layer
+
+        LearnerConfig(**layer(to_dict(config.learner), config.sft.learner))
 
 
-
-def test_cpu_recipe_trains_each_step_as_one_row(tmp_path):
+def test_cpu_recipe_trains_each_step_as_one_row():
     """The CPU recipe's learner speed rests on a step being one packed row (the shared prompt then
     runs once through the frozen layers: cpu_default.toml, docs/notes/issue-6.md)."""
-    config = load_train_config(DEFAULT_CONFIG)
-    for phase, overrides in (("rl", {}), ("sft", config.sft.learner)):
-        data = deep_merge(config.learner, overrides)
-        data.update(output_dir=str(tmp_path / phase), mode=phase, server_urls=["http://127.0.0.1:1"])
-        (tmp_path / f"{phase}.toml").write_text(dump_toml(data))
-        learner = load_learner_config(tmp_path / f"{phase}.toml")
-        assert learner.trainer.max_row_tokens >= learner.tokens_per_step, phase
+    config = load_run_config().config
+    from agentrl.common.config import layer
 
-def test_unknown_keys_are_refused_with_the_known_ones(tmp_path):
+    sft = LearnerConfig(**layer(to_dict(config.learner), config.sft.learner))
+    for learner in (config.learner, sft):
+        assert learner.trainer.max_row_tokens >= learner.tokens_per_step
+
+
+def test_a_partial_config_changes_only_what_it_names(tmp_path):
+    path = tmp_path / "lr.toml"
+    path.write_text("[learner.trainer.optimizer]\nlr = 3e-5\n")
+    default = load_run_config().config
+    resolved = load_run_config(path)
+    config = resolved.config
+    assert config.learner.trainer.optimizer.lr == 3e-5
+    # Everything else is the embedded default's (a bare file once replaced it: held-out 96 -> 48,
+    # group size 6 -> 8, trainable layers 8 -> all).
+    assert config.tasks.options["heldout_num"] == default.tasks.options["heldout_num"] == 96
+    assert config.orchestrator.group_size == default.orchestrator.group_size == 6
+    assert config.learner.trainer.train_layers == default.learner.trainer.train_layers == 8
+    assert resolved.origins[("learner", "trainer", "optimizer", "lr")] == str(path)
+    assert resolved.origins[("orchestrator", "group_size")].startswith("the embedded default")
+
+
+def test_set_overrides_after_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[orchestrator]\ngroup_size = 4\n")
+    resolved = load_run_config(path, ["orchestrator.group_size=3", "env.tool_list=json",
+                                      'services.tools=["search"]', "learner.trainer.optimizer.lr=2e-5"])
+    config = resolved.config
+    assert config.orchestrator.group_size == 3 and config.env.tool_list == "json"
+    assert config.services.tools == ["search"] and config.learner.trainer.optimizer.lr == 2e-5
+    assert resolved.origins[("orchestrator", "group_size")] == "--set orchestrator.group_size=3"
+
+
+def test_set_values_are_toml_values_else_strings():
+    assert parse_override("a.b=3") == (("a", "b"), 3)
+    assert parse_override("a=2e-5") == (("a",), 2e-5)
+    assert parse_override("a=true") == (("a",), True)
+    assert parse_override('a=["x", "y"]') == (("a",), ["x", "y"])
+    assert parse_override("a=signature") == (("a",), "signature")
+    with pytest.raises(ConfigError, match="KEY.PATH=VALUE"):
+        parse_override("no-equals-sign")
+
+
+def test_switching_the_task_loader_brings_its_own_options(tmp_path):
+    data = tmp_path / "dev.json"
+    data.write_text("[]")
+    path = tmp_path / "datasets.toml"
+    path.write_text(f'[tasks]\nloader = "datasets"\n[[tasks.options.eval_files]]\nformat = "hotpotqa"\npath = "{data}"\n')
+    config = load_run_config(path).config
+    assert config.tasks.loader == "datasets" and set(config.tasks.options) == {"eval_files"}
+
+
+def test_print_config_round_trips(capsys):
+    assert train_main(["--print-config", "--set", "orchestrator.group_size=5"]) == 0
+    text = capsys.readouterr().out
+    data = tomllib.loads(text)
+    assert data["orchestrator"]["group_size"] == 5 and data["tasks"]["options"]["heldout_num"] == 96
+    assert tomllib.loads(dump_toml(to_dict(load_run_config().config))) is not None
+
+
+BAD = [
+    # (file text or None, extra argv, the message must match)
+    ('minutes = "ten"\n', [], r"bad.toml: minutes: Input should be a valid number \(got \"ten\"\)"),
+    ('[env]\nmax_turns = "3"\n', [], r"bad.toml: env.max_turns: Input should be a valid integer \(got \"3\"\)"),
+    ('[services]\ntools = ["websearch"]\n', [], r"services.tools\[0\]: Input should be 'search', 'python' or 'calculator'"),
+    ('[orchestrator]\ngroup_sise = 4\n', [], r"orchestrator.group_sise: unknown key; accepted keys here: group_size"),
+    ('[learner]\ntokens_per_step = "8192"\n', [], r"learner.tokens_per_step: Input should be a valid integer"),
+    ('[learner]\nlrr = 1e-5\n', [], r"learner.lrr: unknown key; accepted keys here: output_dir"),
+    ('[learner]\noutput_dir = "x"\n', [], r"learner.output_dir: set by agentrl train for each phase"),
+    ('[learner.trainer]\nmax_row_tokens = 100\n', [], r"learner.trainer.max_row_tokens: 100 cannot hold the longest episode"),
+    ('[sft.learner]\ntokens_per_step = -1\n', [], r"bad.toml: sft.learner.tokens_per_step: -1 must be > 0"),
+    ('[sft.learner.trainer.optimizer]\nllr = 1\n', [], r"sft.learner.trainer.optimizer.llr: unknown key"),
+    ("[learner.trainer]\ntemperature = 0.7\n", [], r"orchestrator.sampling.temperature = 1.0 differs from .*bad.toml: learner.trainer.temperature = 0.7"),
+    ('[env]\nmax_total_tokens = 8192\n[learner.trainer]\nmax_row_tokens = 8192\n', [],
+     r"env.max_total_tokens: 8192 is longer than the server's services.max_model_len = 4096"),
+    ('[tasks]\nloader = "no_such_module:load"\n', [], r"tasks.loader: cannot import 'no_such_module'"),
+    ('[tasks]\nloader = "websearch"\n', [], r"tasks.loader: 'websearch' is neither a built-in loader"),
+    ('[tasks.options]\nheldout_numm = 3\n', [], r"tasks.options.heldout_numm: unknown key; accepted keys here: seed"),
+    ('[tasks.options]\nheldout_hops = [7]\n', [], r"hop counts must be 1-4"),
+    ("minutes = [\n", [], r"bad.toml: not valid TOML"),
+    (None, ["--set", "env.max_turns=three"], r"--set env.max_turns=three: env.max_turns: Input should be a valid integer"),
+    (None, ["--set", "minutes=0"], r"--set minutes=0: minutes: 0.0 must be > 0"),
+    (None, ["--set", "learner.trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0 must be > 0"),
+    (None, ["--tool-endpoint", "127.0.0.1:5555"], r"'127.0.0.1:5555' has no scheme; write it as tcp://HOST:PORT"),
+    (None, ["--vllm", "localhost:8000"], r"'localhost:8000' is not a base URL; write it as http://HOST:PORT"),
+    (None, ["--config", "/no/such/file.toml"], r"/no/such/file.toml: no such config file"),
+]
+
+
+@pytest.mark.parametrize("text, argv, message", BAD, ids=[m[:40] for _, _, m in BAD])
+def test_bad_values_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys, text, argv, message):
+    import re
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a child process was started: {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_child)
+    if text is not None:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        argv = ["--config", str(bad), *argv]
+    t0 = time.perf_counter()
+    assert train_main([*argv, "--out", str(tmp_path / "run")]) == 2
+    assert time.perf_counter() - t0 < 10
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert not (tmp_path / "run").exists(), "nothing is written for a config that does not check"
+
+
+def test_bad_config_exits_2_from_the_command_line_in_seconds(tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text("minutes = 1.0\n[orchestrator]\ngroup_sise = 4\n")
-    with pytest.raises(ValueError, match="group_sise.*accepted"):
-        load_train_config(bad)
+    bad.write_text('minutes = "ten"\n')
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "minutes: Input should be a valid number" in proc.stderr, proc.stderr
+    assert time.perf_counter() - t0 < 60  # imports only: no server, no model
 
 
-def test_datasets_need_their_files(tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[tasks]\nsource = "datasets"\n[sft]\nenabled = false\n')
-    with pytest.raises(ValueError, match="train_files and eval_files"):
-        load_train_config(bad)
+def test_version_and_help(capsys):
+    from agentrl import __version__
+    from agentrl.cli import main
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"agentrl {__version__}"
+    with pytest.raises(SystemExit) as exit_:
+        train_main(["--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    for key in ("env.max_turns: int", "learner.trainer.optimizer.lr: float", "tasks.loader: str", "logging.wandb: bool"):
+        assert key in help_text
 
 
 def test_toml_writer_round_trips():
-    import tomllib
+    import json
 
-    data = {"a": 1, "b": [1, 2], "c": {"d": "x\"y", "e": {"f": True, "g": 0.5}}, "h": None}
+    data = {"a": 1, "b": [1, 2], "c": {"d": "x\"y", "e": {"f": True, "g": 0.5}}, "h": None, "odd key": 1}
     assert tomllib.loads(dump_toml(data)) == json.loads(json.dumps({k: v for k, v in data.items() if v is not None}))
+

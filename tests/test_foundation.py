@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agentrl import model as model_mod
+from agentrl.common import model as model_mod
 from agentrl.common.inference import InferenceServerUnavailable, SamplingParams, VLLMClient
 from agentrl.common.weights import WeightPushError, push_weights, reset_kv_cache, write_weights
 from agentrl.engine.serve import free_port
@@ -177,6 +177,33 @@ async def test_hot_swap_keeps_inflight_requests(vllm_server, model_dir, tokenize
         assert g.versions == sorted(g.versions)
     assert after_perturbed != before
     assert restored == before
+
+
+async def test_a_pushed_embedding_also_changes_the_tied_lm_head(vllm_server, model_dir, tokenizer):
+    """SmolLM2 ties its LM head to the input embedding. vLLM's layer-wise reload refills the
+    embedding but puts the LM head's old tensor back; before the extension re-tied them, the served
+    log-probs were exactly those of (new embedding, old head). They must be those of the new model."""
+    from transformers import AutoModelForCausalLM
+
+    original = load_file(str(model_dir / "model.safetensors"))
+    emb = original["model.embed_tokens.weight"]
+    new_emb = emb + 0.05 * torch.randn(emb.shape, generator=torch.Generator().manual_seed(0))
+    ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    async with VLLMClient(vllm_server.base_url) as client:
+        version0 = await client.weight_version()
+        try:
+            await push_weights(vllm_server.base_url, {"model.embed_tokens.weight": new_emb}, version0 + 1)
+            gen = await client.generate(ids, SamplingParams(max_tokens=8, temperature=0.0))
+        finally:
+            await push_weights(vllm_server.base_url, original, version0)
+        assert await greedy(client, chat_ids(tokenizer)) == await greedy(client, chat_ids(tokenizer))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.model.embed_tokens.weight.data.copy_(new_emb)  # tied: the LM head is the same tensor
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids + gen.token_ids])).logits[0].float(), -1)
+    expected = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(gen.token_ids)]
+    assert gen.logprobs == pytest.approx(expected, abs=2e-3)
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt", "wrong_shape", "unknown_name"])

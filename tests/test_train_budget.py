@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from agentrl.runconfig import TrainConfig
 from agentrl.train import (
     Supervisor,
-    TrainConfig,
     eval_extends_deadline_s,
     final_eval_reserve_s,
     rl_eval_fits,

@@ -25,11 +25,11 @@ from agentrl.learner.checkpoint import load_latest_checkpoint
 
 CONFIG = """
 minutes = 6.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation
-[tasks]
+[tasks.options]
 heldout_num = 8
 heldout_hops = [1]
 num_train = 64
-[[tasks.curriculum]]
+[[tasks.options.curriculum]]
 hops = [1]
 [services]
 tools = ["search"]

@@ -147,31 +147,27 @@ def test_cli_rejects_bad_budgets():
 
 def test_agentrl_side_config_round_trips_through_the_train_cli_loader(tmp_path):
     """vs_trl.py hands `agentrl train --config` the job it exports to the TRL side."""
-    import dataclasses
-
-    from agentrl.common.config import dump_toml
-    from agentrl.train import load_train_config
+    from agentrl.common.config import dump_toml, to_dict
+    from agentrl.runconfig import load_run_config
 
     config = vs_trl.comparison_config(2.5)
     path = tmp_path / "agentrl_config.toml"
-    path.write_text(dump_toml(dataclasses.asdict(config)))
-    loaded = load_train_config(path)
+    path.write_text(dump_toml(to_dict(config)))
+    loaded = load_run_config(path).config
     assert loaded.services.tools == ["search"]
     assert loaded.minutes == 2.5 and loaded.eval.every_s >= 1e9 and not loaded.eval.naive_rag
     assert loaded.orchestrator.group_size == config.orchestrator.group_size
 
 
 def test_export_holds_the_same_job(tmp_path, tokenizer):
-    config = vs_trl.comparison_config(1.0)
-    config.tasks.heldout_num = 3
-    config.sft.num_examples = 4
+    config = vs_trl.comparison_config(1.0, extra_sets=("tasks.options.heldout_num=3", "sft.num_examples=4"))
     job = vs_trl.export_job(config, tmp_path, prompts_per_step=2, num_train=40)
     spec = json.loads((tmp_path / "export.json").read_text())
     assert spec == json.loads(json.dumps(job))
     rows = {name: [json.loads(line) for line in (tmp_path / f).read_text().splitlines()] for name, f in spec["files"].items()}
     assert len(rows["heldout"]) == 3 and len(rows["gold"]) == 4 and len(rows["train"]) == 40
     # The curriculum: the first (until_version - sft.steps) steps x 2 questions are 1-hop, then 1 and 2 hops.
-    first = (config.tasks.curriculum[0].until_version - config.sft.steps) * 2
+    first = (config.tasks.options["curriculum"][0]["until_version"] - config.sft.steps) * 2
     assert {r["num_hops"] for r in rows["train"][:first]} == {1}
     assert {r["num_hops"] for r in rows["train"][first:]} == {1, 2}
     # Gold trajectories are agentrl's ids: they start with the same prompt prefix the TRL template renders.
@@ -181,9 +177,9 @@ def test_export_holds_the_same_job(tmp_path, tokenizer):
     gold = rows["gold"][0]
     assert gold["token_ids"][: len(prefix_ids)] == list(prefix_ids)
     assert 0 < sum(gold["is_action"]) < len(gold["is_action"]) == len(gold["token_ids"])
-    rl_trainer = config.learner["trainer"]
-    assert spec["recipe"]["train_layers"] == rl_trainer["train_layers"] == 8
-    assert spec["recipe"]["rl_lr"] == rl_trainer["optimizer"]["lr"] and spec["recipe"]["sft_lr"] == 1e-4
+    rl_trainer = config.learner.trainer
+    assert spec["recipe"]["train_layers"] == rl_trainer.train_layers == 8
+    assert spec["recipe"]["rl_lr"] == rl_trainer.optimizer.lr and spec["recipe"]["sft_lr"] == 1e-4
 
 
 def test_trl_venv_is_reused_when_its_stamp_matches_and_rebuilt_when_not(tmp_path, monkeypatch):

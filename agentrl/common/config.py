@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 import types
 import typing
@@ -123,8 +124,10 @@ def set_path(data: dict, path: KeyPath, value: Any) -> dict:
 # ---------------------------------------------------------------- validation
 
 
-def build(cls: type, data: dict, *, origins: Origins | None = None, default_source: str = "config") -> Any:
-    """`cls` from `data`, strictly validated; a ConfigError lists every problem."""
+def build(cls: type, data: dict, *, origins: Origins | None = None, default_source: str = "config",
+          prefix: KeyPath = ()) -> Any:
+    """`cls` from `data`, strictly validated; a ConfigError lists every problem. `prefix`: where
+    `data` sits in a larger config (key paths in messages and `origins` lookups start there)."""
     try:
         text = json.dumps(data)
     except (TypeError, ValueError) as err:
@@ -132,18 +135,26 @@ def build(cls: type, data: dict, *, origins: Origins | None = None, default_sour
     try:
         return pydantic.TypeAdapter(cls).validate_json(text, strict=True)
     except pydantic.ValidationError as err:
-        raise ConfigError(format_errors(cls, err, origins or {}, default_source)) from None
+        raise ConfigError(format_errors(cls, err, origins or {}, default_source, prefix)) from None
 
 
-def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, default_source: str) -> str:
+def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, default_source: str,
+                  prefix: KeyPath = ()) -> str:
     """One line per bad key: `source: key.path: what is wrong (got value)[; accepted: ...]`."""
     by_key: dict[KeyPath, list[dict]] = {}
     for e in err.errors():
-        by_key.setdefault(_key_path(cls, e["loc"]), []).append(e)
+        key = _key_path(cls, e["loc"])
+        if e["type"] == "value_error":
+            # A rule in __post_init__ raised at the dataclass; its message starts with the field it is about.
+            head = re.match(r"(\w+)\s*[:=]", e["msg"].removeprefix("Value error, "))
+            if head and head.group(1) in field_names(_type_at(cls, key)):
+                key = (*key, head.group(1))
+                e = {**e, "msg": e["msg"].removeprefix("Value error, ")[head.end():].strip()}
+        by_key.setdefault(key, []).append(e)
     lines = []
     for key, errors in by_key.items():
-        source = _origin(origins, key, default_source)
-        where = ".".join(key) or "(top level)"
+        source = _origin(origins, (*prefix, *key), default_source)
+        where = ".".join((*prefix, *key)) or "(top level)"
         if any(e["type"] in ("unexpected_keyword_argument", "extra_forbidden") for e in errors):
             accepted = field_names(_type_at(cls, key[:-1]))
             lines.append(f"{source}: {where}: unknown key; accepted keys here: {', '.join(accepted)}")
@@ -160,6 +171,7 @@ def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, de
 
 
 def _origin(origins: Origins, key: KeyPath, default: str) -> str:
+    key = tuple(part.split("[", 1)[0] for part in key)
     for n in range(len(key), -1, -1):
         if key[:n] in origins:
             return origins[key[:n]]
@@ -295,6 +307,13 @@ def dump_toml(data: dict) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else json.dumps(key)
+
+
 def _scalar(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -305,7 +324,7 @@ def _scalar(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_scalar(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_scalar(v)}" for k, v in value.items() if v is not None) + "}"
+        return "{" + ", ".join(f"{_key(k)} = {_scalar(v)}" for k, v in value.items() if v is not None) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML: {value!r}")
 
 
@@ -317,10 +336,10 @@ def _dump_table(data: dict, path: list[str], lines: list[str]) -> None:
         if isinstance(value, dict):
             tables.append((key, value))
         else:
-            lines.append(f"{json.dumps(key)} = {_scalar(value)}")
+            lines.append(f"{_key(key)} = {_scalar(value)}")
     for key, value in tables:
         lines.append("")
-        lines.append("[" + ".".join(json.dumps(p) for p in [*path, key]) + "]")
+        lines.append("[" + ".".join(_key(p) for p in [*path, key]) + "]")
         _dump_table(value, [*path, key], lines)
 
 

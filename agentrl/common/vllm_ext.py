@@ -17,16 +17,64 @@ file, an unknown name or a wrong shape is refused and the served weights stay un
 may carry a subset of the tensors (e.g. only the layers a run trains); the rest come from the
 record, so the model always receives a complete, consistent set.
 
+Dtypes: the record and every staged tensor are kept in the served dtype (the server's `--dtype`),
+so the reload hands the model tensors of its own dtype. Handing it the float32 tensors of the model
+folder made vLLM log "Attempted to load weight ... float32 into bfloat16" for every tensor of every
+push (~5,600 lines a run); the values are the same either way, since the load casts to the
+parameter's dtype with the same rounding.
+
+Tied embeddings: when the model ties its LM head to the input embedding, vLLM's layer-wise reload
+refills the embedding and puts the LM head's previous tensor back ("ParallelLMHead: Failed to load
+weights": the checkpoint format has no lm_head.weight to load), which unties them: seen here, a push
+that changed the embedding left the served log-probs exactly those of the new embedding with the
+old LM head. `agentrl_apply_staged` therefore ties the head to the new embedding again and re-runs
+its post-load processing (the CPU backend packs the LM head's weight for its GEMM), after every
+reload. vLLM warns "Failed to load weights" for two layers on every push, and `_ReloadNoise`
+drops exactly those two lines (a filter on vLLM's layer-wise reload logger, installed on the first
+push): ParallelLMHead when the model is tied (it is re-tied right after, as above; an untied LM head
+that fails to load still warns), and RotaryEmbedding, which has no weights in a checkpoint at all
+(its cos/sin cache is computed) and is put back unchanged. Any other layer's warning passes.
+
 Results are returned as JSON-able dicts (`{"ok": True, ...}` or `{"ok": False, "error": ...}`)
 instead of raised, so the HTTP caller gets the reason rather than a bare 500.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import torch
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+LOAD_LOGGER = "vllm.model_executor.models.utils"
+
+
+class _IntendedNarrowing(logging.Filter):
+    """Drops "Attempted to load weight X with dtype torch.float32 into parameter with dtype
+    torch.bfloat16 (or float16)" at server start: agentrl's model folders hold the learner's float32
+    master weights and the server runs bf16 by choice (`--dtype`), so every tensor is narrowed once
+    by design (~120 lines per start for the 135M model). Any other dtype mismatch still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg.startswith("Attempted to load weight") and len(args) == 3
+                    and str(args[1]) == "torch.float32" and str(args[2]) in ("torch.bfloat16", "torch.float16"))
+
+
+logging.getLogger(LOAD_LOGGER).addFilter(_IntendedNarrowing())  # this module is imported by each worker at start
+
+
+class _ReloadNoise(logging.Filter):
+    """Drops the reload's "Failed to load weights" lines of layers with nothing to load (docstring)."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.quiet = {"RotaryEmbedding: Failed to load weights"} | ({"ParallelLMHead: Failed to load weights"} if tied else set())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.quiet
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -50,9 +98,12 @@ class WeightSwapExtension:
     def _agentrl_load_record(self) -> dict[str, torch.Tensor]:
         if self._agentrl_record is None:
             model_dir = Path(self.vllm_config.model_config.model)
+            tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
+            logging.getLogger(RELOAD_LOGGER).addFilter(_ReloadNoise(tied))
+            dtype = self.vllm_config.model_config.dtype
             record: dict[str, torch.Tensor] = {}
             for f in _checkpoint_files(model_dir):
-                record.update(_read_safetensors(str(f)))
+                record.update({k: v.to(dtype) if v.is_floating_point() else v for k, v in _read_safetensors(str(f)).items()})
             self._agentrl_record = record
         return self._agentrl_record
 
@@ -97,7 +148,17 @@ class WeightSwapExtension:
         record.update(self._agentrl_staged)
         self._agentrl_staged = None
         self.reload_weights(weights_iterator=iter(record.items()))
+        self._agentrl_retie()
         return {"ok": True, "reload_s": time.perf_counter() - start}
+
+    def _agentrl_retie(self) -> None:
+        """Tie the LM head to the (reloaded) input embedding again (module docstring)."""
+        if not getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+            return
+        model = self.model_runner.get_model()
+        lm_head, embed = model.lm_head, model.model.embed_tokens
+        lm_head.tie_weights(embed)
+        lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def agentrl_weight_fingerprint(self) -> dict:
         """A cheap checksum of the served parameters (sum of each tensor), for tests and debugging."""

@@ -1,0 +1,172 @@
+"""`agentrl export RUN_DIR [--step N] --out DIR`: a run's policy as a Hugging Face model folder.
+
+The folder holds what `transformers`' `AutoModelForCausalLM.from_pretrained`, `vllm serve` /
+`agentrl serve-model --model DIR` and `agentrl eval --model DIR` need, and what a person needs to
+use the policy the way it was trained:
+
+    config.json, model.safetensors      the base model's architecture with the trained weights
+                                        (float32: the learner's master weights, exactly)
+    tokenizer files, chat template      the base tokenizer; the template renders ChatML and, when a
+                                        conversation has no system message, puts in the system
+                                        prompt and worked example the policy was trained with
+    agentrl/prompt.json                 that system prompt, the tool schemas it lists, the worked
+                                        example turns and the user prefix ("Question: ")
+    agentrl/config.toml                 the run's resolved config (`agentrl eval --model DIR` uses it)
+    agentrl/export.json                 run directory, phase, step / policy version, base model
+    README.md                           all of the above in prose, with the run's held-out scores
+
+Which weights: the latest checkpoint of the RL phase (or `--step N`), else of the SFT phase. The
+checkpoint's policy state is the learner's `PackedPolicy` (keys under `lm.`, plus a value head
+when GAE trained one, which is not part of the policy and is dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PROMPT_FILE = "prompt.json"
+"""Written by the supervisor at the start of a run: what the policy sees before the task."""
+
+
+def _checkpoint(run: Path, step: int | None) -> tuple[str, Path]:
+    from agentrl.learner.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
+
+    for phase in ("rl", "sft"):
+        dirs = checkpoint_dirs(run / phase / "checkpoints")
+        if step is not None:
+            dirs = [d for d in dirs if d.name == f"{CHECKPOINT_PREFIX}{step:08d}"]
+        if dirs:
+            return phase, dirs[-1]
+    where = f"step {step}" if step is not None else "any checkpoint"
+    raise FileNotFoundError(f"{run} holds no {where} under rl/checkpoints or sft/checkpoints")
+
+
+def chat_template(prompt: dict) -> str:
+    """ChatML; a conversation without a system message gets the trained system prompt and worked
+    example first, so `apply_chat_template([{"role": "user", "content": "Question: ..."}])` renders
+    exactly what the policy saw in training."""
+    preamble = f"<|im_start|>system\n{prompt['system_prompt']}<|im_end|>\n" + "".join(
+        f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in prompt["example_messages"])
+    return ("{%- if messages[0]['role'] != 'system' %}{% raw %}" + preamble + "{% endraw %}{%- endif %}"
+            "{%- for message in messages %}"
+            "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def _readme(prompt: dict, info: dict, scores: dict) -> str:
+    tools = "\n".join(f"- `{s['function']['name']}`: {s['function'].get('description', '')}" for s in prompt["tools"])
+    example = "\n".join(f"    {role}: {content}" for role, content in prompt["example_messages"]) or "    (none)"
+    score_lines = "\n".join(f"- {k}: {v}" for k, v in scores.items()) or "- (no evaluation recorded)"
+    return f"""# agentrl policy: {info['run']} ({info['phase']} step {info['step']})
+
+Trained with agentrl from `{info['base_model']}`. Policy version {info['step']}
+(optimizer steps, SFT included).
+
+## Use it
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("THIS_FOLDER")
+model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")
+ids = tok.apply_chat_template([{{"role": "user", "content": "{prompt['user_prefix']}..."}}], add_generation_prompt=True, return_tensors="pt")
+```
+
+The chat template adds the system prompt and worked example below when the conversation has no
+system message. Serve it with `agentrl serve-model --model THIS_FOLDER` (or `vllm serve`);
+evaluate it with `agentrl eval --model THIS_FOLDER` (it uses `agentrl/config.toml`, the run's config).
+
+Tool calls are `<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>`; tool results come back
+in a `tool` turn as `<tool_response>...</tool_response>`; the final answer is `<answer>...</answer>`.
+
+## Tools it was trained with
+
+{tools}
+
+## System prompt
+
+```
+{prompt['system_prompt']}
+```
+
+## Worked example (turns after the system message)
+
+{example}
+
+## Held-out scores of the run
+
+{score_lines}
+"""
+
+
+def export(run: Path, out: Path, step: int | None = None) -> Path:
+    """Write the HF folder for `run` at `out` (atomically: built beside it, renamed into place)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.common.config import read_toml
+    from agentrl.common.files import read_jsonl
+    from agentrl.common.model import resolve_model
+    from agentrl.learner.checkpoint import policy_weights
+
+    prompt_path = run / PROMPT_FILE
+    if not prompt_path.is_file():
+        raise FileNotFoundError(f"{run} has no {PROMPT_FILE} (written when a run starts); is it an agentrl train run?")
+    prompt = json.loads(prompt_path.read_text())
+    config = read_toml(run / "config.toml")
+    phase, ckpt = _checkpoint(run, step)
+    state = torch.load(ckpt / "state.pt", weights_only=False, map_location="cpu")
+    base = resolve_model(config.get("model_dir") or None)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    weights = {k.removeprefix("lm."): v for k, v in policy_weights(state).items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{ckpt} does not fit {base}: missing {sorted(set(missing) - tied)[:5]}, unexpected {unexpected[:5]}")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = chat_template(prompt)
+
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        meta = tmp / "agentrl"
+        meta.mkdir()
+        (meta / PROMPT_FILE).write_text(json.dumps(prompt, indent=1))
+        shutil.copy(run / "config.toml", meta / "config.toml")
+        info = {"run": str(run.resolve()), "phase": phase, "checkpoint": ckpt.name, "step": int(state["step"]),
+                "base_model": str(base)}
+        (meta / "export.json").write_text(json.dumps(info, indent=1))
+        scores = {f"{e['label']} EM": round(e["em"], 4) for e in read_jsonl(run / "evals.jsonl")}
+        (tmp / "README.md").write_text(_readme(prompt, info, scores))
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl export", description="Write a run's policy as a Hugging Face model folder.")
+    parser.add_argument("run", type=Path, help="the run directory of agentrl train")
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write (replaced if it exists)")
+    parser.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.run, args.out, args.step)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"agentrl export: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

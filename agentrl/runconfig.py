@@ -1,0 +1,218 @@
+"""The config of a run (`agentrl train`, `eval`, `rollout`): one typed tree, resolved and checked before anything starts.
+
+Resolution, in order (later layers win, table by table; lists replace whole):
+1. the embedded default, `agentrl/configs/cpu_default.toml`;
+2. `--config FILE` (a partial file changes only the keys it names; a file that switches
+   `tasks.loader` brings its own `[tasks.options]` instead of merging with the default's);
+3. each `--set KEY.PATH=VALUE`, in order (VALUE is read as a TOML value: 3, 2e-5, true,
+   ["search"], "text"; anything else is taken as a string).
+
+The result is validated strictly as `TrainConfig` (types, ranges, unknown keys, choices), then
+across components (`check_run`): the sampling temperature is the learner's behaviour temperature,
+episodes fit the server's context, the tools the tasks need are started, a packed row holds the
+longest episode, supervisor-owned learner keys are not set by hand, the task loader imports and
+its options validate. Every error names the layer that set the key (file, `--set`, or the
+embedded default), the key path and what is accepted; the CLIs exit 2 on any of them, before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agentrl.common.config import (
+    ConfigError,
+    Origins,
+    build,
+    config_dataclass,
+    describe,
+    layer,
+    parse_override,
+    read_toml,
+    set_path,
+)
+from agentrl.engine.env import EnvConfig
+from agentrl.engine.orchestrator import OrchestratorConfig
+from agentrl.engine.services import ServicesConfig
+from agentrl.engine.tasksets import TasksConfig, loader_options
+from agentrl.learner.service import LearnerConfig
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
+
+SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "group_endpoint", "version_endpoint",
+                           "init_checkpoint", "seed", "progress_bar")
+"""LearnerConfig fields `agentrl train` fills in per phase; a config that sets them is refused."""
+
+
+@config_dataclass
+class SFTConfig:
+    enabled: bool = True
+    """Run the cold start (skipped, with a log line, when the task set offers no demonstrations)."""
+    num_examples: int = 256
+    """Gold trajectories generated from training tasks (cycled until `steps` are done)."""
+    hops: list[int] = field(default_factory=lambda: [1, 2])
+    """Hop counts of the gold trajectories (synthetic tasks)."""
+    steps: int = 12
+    """Optimizer steps of the cold start."""
+    learner: dict[str, Any] = field(default_factory=dict)
+    """LearnerConfig keys for the SFT learner, layered over [learner] (e.g. a higher lr)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.num_examples < 1:
+            raise ValueError("sft.steps and sft.num_examples must be >= 1 (set sft.enabled = false to skip SFT)")
+
+
+@config_dataclass
+class EvalConfig:
+    every_s: float = 300.0
+    """Held-out evaluation interval during RL, seconds of wall-clock."""
+    naive_rag: bool = True
+    """Also evaluate the Naive RAG baseline once, before training (needs the search tool)."""
+    in_budget: bool = True
+    """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
+    (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares
+    training time with a trainer that evaluates outside its budget."""
+
+
+@config_dataclass
+class LoggingConfig:
+    status_every_s: float = 30.0
+    """Seconds between status lines on the terminal (phase, step, episodes, reward, ETA)."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """A progress bar over the time budget: "auto" = when stdout is a terminal."""
+    tensorboard: bool = True
+    """Held-out scores and actor statistics in RUN_DIR/tensorboard (the learners write their own)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the `wandb` package)."""
+    wandb_project: str = "agentrl"
+    """W&B project name."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """"offline" writes RUN_DIR/wandb and needs no network (`wandb sync` uploads it later)."""
+
+
+@config_dataclass
+class TrainConfig:
+    minutes: float = 28.0
+    """Wall-clock budget of everything after set-up (baseline evaluations, SFT, RL, every evaluation
+    including the final one), minutes. The RL phase ends when what is left is the time the final
+    evaluation is expected to take."""
+    seed: int = 0
+    """Seed of the learners (the task set has its own in [tasks.options])."""
+    model_dir: str = ""
+    """HF folder of the initial policy; empty: the prepared SmolLM2-135M-Instruct."""
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    services: ServicesConfig = field(default_factory=ServicesConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    """The actor's orchestrator; [orchestrator.sampling] samples the training episodes (evaluation is greedy)."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """The RL learner; the supervisor fills in its output_dir, endpoints and servers."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if not self.minutes > 0:
+            raise ValueError(f"minutes={self.minutes} must be > 0")
+
+
+@dataclass
+class Resolved:
+    """A resolved run config with the layers that made it."""
+
+    config: TrainConfig
+    data: dict[str, Any]
+    """The merged TOML data (what `--print-config` prints)."""
+    origins: dict[tuple[str, ...], str]
+    """Key path -> the layer that set it."""
+
+
+def load_run_config(config_file: str | Path | None = None, sets: list | tuple = (), *,
+                    base: Path | None = DEFAULT_CONFIG) -> Resolved:
+    """Resolve and check (module docstring); raises ConfigError."""
+    origins: Origins = {}
+    data: dict[str, Any] = {}
+    if base is not None:
+        data = layer({}, read_toml(base), origins=origins, source=f"the embedded default ({base.name})")
+    if config_file is not None:
+        override = read_toml(config_file)
+        data = _switching_layer(data, override, origins, str(config_file))
+    for item in sets:
+        text, label = item if isinstance(item, tuple) else (item, f"--set {item}")
+        path, value = parse_override(text)
+        data = set_path(data, path, value)
+        if path == ("tasks", "loader"):
+            data["tasks"].pop("options", None)
+        for key in [k for k in origins if k[:len(path)] == path]:
+            del origins[key]
+        origins[path] = label
+    source = str(config_file) if config_file is not None else "config"
+    config = build(TrainConfig, data, origins=origins, default_source=source)
+    check_run(config, data, origins, source)
+    return Resolved(config=config, data=data, origins=origins)
+
+
+def _switching_layer(data: dict, override: dict, origins: Origins, source: str) -> dict:
+    """`layer`, except that a layer naming another task loader replaces `[tasks.options]` whole."""
+    new_loader = override.get("tasks", {}).get("loader")
+    if new_loader is not None and new_loader != data.get("tasks", {}).get("loader", "synthetic"):
+        data = copy.deepcopy(data)
+        data.get("tasks", {}).pop("options", None)
+        for key in [k for k in origins if k[:2] == ("tasks", "options")]:
+            del origins[key]
+    return layer(data, override, origins=origins, source=source)
+
+
+def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "config") -> None:
+    """The rules across components (module docstring); ConfigError with every violation."""
+    problems: list[str] = []
+
+    def at(*key: str) -> str:
+        for n in range(len(key), -1, -1):
+            if key[:n] in origins:
+                return f"{origins[key[:n]]}: {'.'.join(key)}"
+        return f"{source}: {'.'.join(key)}"
+
+    for section in ("learner", "sft.learner"):
+        given = data.get("learner", {}) if section == "learner" else data.get("sft", {}).get("learner", {})
+        for key in SUPERVISOR_LEARNER_KEYS:
+            if key in given:
+                problems.append(f"{at(*section.split('.'), key)}: set by agentrl train for each phase; remove it")
+    try:  # the SFT learner: [sft.learner] layered over [learner]
+        build(LearnerConfig, layer(_without(data.get("learner", {})), _without(data.get("sft", {}).get("learner", {}))),
+              origins=origins, default_source=source, prefix=("sft", "learner"))
+    except ConfigError as err:
+        problems.append(str(err))
+    sampling = config.orchestrator.sampling
+    if sampling.temperature > 0 and sampling.temperature != config.learner.trainer.temperature:
+        problems.append(f"{at('orchestrator', 'sampling', 'temperature')} = {sampling.temperature} differs from "
+                        f"{at('learner', 'trainer', 'temperature')} = {config.learner.trainer.temperature}, the "
+                        "temperature the learner recomputes the behaviour log-probs at; set both to the same value")
+    if not config.services.vllm and config.env.max_total_tokens > config.services.max_model_len:
+        problems.append(f"{at('env', 'max_total_tokens')}: {config.env.max_total_tokens} is longer than the "
+                        f"server's services.max_model_len = {config.services.max_model_len}; lower it or raise max_model_len")
+    if config.learner.trainer.max_row_tokens < config.env.max_total_tokens:
+        problems.append(f"{at('learner', 'trainer', 'max_row_tokens')}: {config.learner.trainer.max_row_tokens} cannot "
+                        f"hold the longest episode (env.max_total_tokens = {config.env.max_total_tokens}); raise it")
+    if not config.services.tool_endpoints and "search" not in config.services.tools:
+        if config.tasks.loader in ("synthetic", "datasets"):
+            problems.append(f"{at('services', 'tools')}: the {config.tasks.loader!r} tasks need the 'search' tool; add it")
+    try:
+        loader_options(config.tasks, origins=origins, source=source)
+    except (ConfigError, ValueError) as err:
+        problems.append(str(err))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _without(learner_data: dict) -> dict:
+    return {k: v for k, v in learner_data.items() if k not in SUPERVISOR_LEARNER_KEYS}
+
+
+def schema_text() -> str:
+    """Every key of the run config with its type, default and description (for `--help`)."""
+    return ("(defaults shown are the code's; the embedded default sets some differently: see --print-config)\n"
+            + "\n".join(describe(TrainConfig)))

@@ -1,0 +1,104 @@
+"""`agentrl actor --config FILE`: the actor process of a training run (the orchestrator and its streams).
+
+It connects to the running services (vLLM servers, tool services), builds the task set, and runs
+the orchestrator on the training stream forever, sending each finished GRPO group to the learner
+(`GroupSender`: acked, resent after a reconnect) and starting episodes only while the servers serve
+a version within the staleness bound (`VersionSubscriber`). Every 10 s it appends its counters to
+`out_dir/stats.jsonl`. SIGTERM or SIGINT stops it: the run is cancelled, unsent groups are
+reported by the sender, and the process exits 0 (the learner's spool already holds what it acked).
+
+The supervisor (`agentrl train`) writes the config: the actor-side sections of the run's config
+plus the endpoints it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import field
+from pathlib import Path
+
+from agentrl.common.config import ConfigError, build, config_dataclass, read_toml
+from agentrl.engine.env import EnvConfig
+from agentrl.engine.orchestrator import OrchestratorConfig
+from agentrl.engine.services import Connections
+from agentrl.engine.tasksets import TasksConfig, load_taskset
+
+
+@config_dataclass
+class ActorConfig:
+    vllm: list[str]
+    """Base URLs of the vLLM servers."""
+    tool_endpoints: dict[str, list[str]]
+    """Service name -> replica endpoints."""
+    model_dir: str
+    """HF folder of the policy (its tokenizer renders the episodes)."""
+    group_endpoint: str
+    """The learner's GroupReceiver."""
+    version_endpoint: str
+    """The learner's VersionPublisher."""
+    out_dir: str
+    """Where stats.jsonl and the task set's files go."""
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+
+
+async def run_actor(cfg: ActorConfig) -> int:
+    from agentrl.common.transport import GroupSender, VersionSubscriber
+    from agentrl.engine.orchestrator import Orchestrator
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    taskset = load_taskset(cfg.tasks, out / "tasks")
+    async with Connections(cfg.vllm, cfg.tool_endpoints, cfg.model_dir, cfg.env) as conn:
+        # The learner's queue is part of the staleness budget: every group waiting there is trained
+        # at a later version than the one that sampled it. Bounding the unacknowledged groups to
+        # the orchestrator's own in-flight bound keeps data at most ~2 x that many steps old.
+        sender = GroupSender(cfg.group_endpoint, max_unacked=cfg.orchestrator.max_groups_in_flight)
+        versions = VersionSubscriber(cfg.version_endpoint)
+        await sender.start()
+        await versions.start()
+        try:
+            stream = taskset.train_stream(lambda: (versions.latest or (0, 0))[0])
+            orch = Orchestrator(conn.env, conn.pool.generate, sender.send, cfg.orchestrator, versions=versions,
+                                run_id=f"rl{int(time.time())}-{os.getpid()}")
+            run = asyncio.ensure_future(orch.run(stream))
+            stats_path = out / "stats.jsonl"
+            t0 = time.time()
+            while not run.done() and not stop.is_set():
+                await asyncio.wait([run], timeout=10.0)
+                with open(stats_path, "a") as f:
+                    f.write(json.dumps({"time": time.time(), "elapsed_s": time.time() - t0, **dataclasses.asdict(orch.stats),
+                                        "generated_tokens": conn.pool.num_generated_tokens,
+                                        "latest_version": versions.latest}) + "\n")
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+        finally:
+            await versions.close()
+            await sender.close(timeout_s=5.0)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl actor", description="The actor process: the orchestrator of a training run.")
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    try:
+        cfg = build(ActorConfig, read_toml(args.config), default_source=args.config)
+    except ConfigError as err:
+        print(f"agentrl actor: bad config: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(run_actor(cfg))
