@@ -40,12 +40,14 @@ def tail_records(path: Path, num: int) -> list[dict]:
     if size > TAIL_BYTES:
         lines = lines[1:]  # the first may be cut
     out = []
-    for line in lines[-num:]:
+    for line in reversed(lines):
+        if len(out) == num:
+            break
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            continue  # a line being written right now; the next status line reads it whole
-    return out
+            continue  # the line being written right now; the next status line reads it whole
+    return out[::-1]
 
 
 def _mean(records: list[dict], key: str) -> float | None:

@@ -33,12 +33,13 @@ from agentrl.common.config import (
     parse_override,
     read_toml,
     set_path,
+    to_dict,
 )
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
 from agentrl.engine.services import ServicesConfig
 from agentrl.engine.tasksets import TasksConfig, loader_options
-from agentrl.learner.service import LearnerConfig
+from agentrl.learner.config import LearnerConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
 
@@ -206,6 +207,14 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         problems.append(str(err))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def config_data(config: TrainConfig) -> dict[str, Any]:
+    """A resolved config as TOML data that resolves back to the same config: everything, except the
+    learner keys the supervisor fills in per phase (which a config may not set)."""
+    data = to_dict(config)
+    data["learner"] = _without(data["learner"])
+    return data
 
 
 def _without(learner_data: dict) -> dict:

@@ -46,7 +46,7 @@ from agentrl.engine.evaluation import evaluate, run_naive_rag
 from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.tasksets import TaskSet, load_taskset
 from agentrl.progress import Progress
-from agentrl.runconfig import DEFAULT_CONFIG, TrainConfig, load_run_config, schema_text
+from agentrl.runconfig import DEFAULT_CONFIG, TrainConfig, config_data, load_run_config, schema_text
 
 
 def _agentrl(*args: str) -> list[str]:
@@ -389,7 +389,7 @@ def main(argv: list[str]) -> int:
         print(f"agentrl train: bad config:\n{err}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(dump_toml(to_dict(resolved.config)), end="")
+        print(dump_toml(config_data(resolved.config)), end="")
         return 0
     config = resolved.config
     if args.resume:
@@ -403,7 +403,7 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(dump_toml(to_dict(config)))
+    (out / "config.toml").write_text(dump_toml(config_data(config)))
 
     try:
         supervisor = Supervisor(config, out, resume=bool(args.resume))

@@ -109,7 +109,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     from agentrl.engine.tasks import load_passages
     from agentrl.engine.tasksets import load_taskset
     from agentrl.engine.tools import FunctionTool
-    from agentrl.learner.service import LearnerConfig
+    from agentrl.learner.config import LearnerConfig
     from agentrl.toolservers.search import SearchTool
 
     sys.path.insert(0, str(TRL_SIDE))

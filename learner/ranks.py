@@ -26,7 +26,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,6 +38,7 @@ from agentrl.learner.checkpoint import (
     set_rng_state,
     world_size_mismatch,
 )
+from agentrl.learner.config import LearnerConfig
 from agentrl.learner.distributed import (
     RankGroup,
     equalise_micro_batches,
@@ -51,9 +52,6 @@ from agentrl.learner.ledger import Ledger
 from agentrl.learner.publish import snapshot_from_policy_state, snapshot_weights
 from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.trainer import StepStats, Trainer, on_device, set_trainable
-
-if TYPE_CHECKING:
-    from agentrl.learner.service import LearnerConfig
 
 
 @dataclass

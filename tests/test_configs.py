@@ -11,8 +11,8 @@ import tomllib
 import pytest
 
 from agentrl.common.config import ConfigError, dump_toml, parse_override, to_dict
-from agentrl.learner.service import LearnerConfig
-from agentrl.runconfig import DEFAULT_CONFIG, load_run_config
+from agentrl.learner.config import LearnerConfig
+from agentrl.runconfig import DEFAULT_CONFIG, config_data, load_run_config
 from agentrl.train import main as train_main
 
 CONFIGS = sorted(DEFAULT_CONFIG.parent.glob("*.toml"))
@@ -92,12 +92,16 @@ def test_switching_the_task_loader_brings_its_own_options(tmp_path):
     assert config.tasks.loader == "datasets" and set(config.tasks.options) == {"eval_files"}
 
 
-def test_print_config_round_trips(capsys):
+def test_print_config_round_trips(capsys, tmp_path):
     assert train_main(["--print-config", "--set", "orchestrator.group_size=5"]) == 0
     text = capsys.readouterr().out
     data = tomllib.loads(text)
     assert data["orchestrator"]["group_size"] == 5 and data["tasks"]["options"]["heldout_num"] == 96
-    assert tomllib.loads(dump_toml(to_dict(load_run_config().config))) is not None
+    # What a run writes as its config.toml resolves back to the same config.
+    config = load_run_config().config
+    written = tmp_path / "config.toml"
+    written.write_text(dump_toml(config_data(config)))
+    assert load_run_config(written, base=None).config == config
 
 
 BAD = [

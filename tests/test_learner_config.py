@@ -5,8 +5,9 @@ import pytest
 from support.synthetic import make_trajectory
 
 from agentrl.common.trajectory import TrajectoryGroup
+from agentrl.learner.config import LearnerConfig
 from agentrl.learner.rewards import RewardWeights
-from agentrl.learner.service import Learner, LearnerConfig, load_config
+from agentrl.learner.service import Learner, load_config
 
 FULL = """
 output_dir = "{out}"

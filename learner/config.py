@@ -1,0 +1,118 @@
+"""The learner's config (`agentrl learner --config FILE`, `[learner]` of a run) and its device choice."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import field
+from typing import Literal
+
+import torch
+
+from agentrl.common.config import config_dataclass
+from agentrl.learner.rewards import RewardSchedule
+from agentrl.learner.trainer import TrainerConfig
+
+
+@config_dataclass
+class LearnerConfig:
+    output_dir: str = ""
+    """Folder for metrics.jsonl, tensorboard/, checkpoints/ and spool/ (created); required to run a
+    learner (`agentrl train` sets it per phase)."""
+    model_dir: str | None = None
+    """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.common.model)."""
+    mode: Literal["rl", "sft"] = "rl"
+    """"rl": the policy-gradient loss; "sft": masked NLL on the action tokens of (gold) trajectories."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tokens_per_step: int = 8192
+    """Token budget of one optimizer step (prompt + observation + action tokens of whole groups)."""
+    max_steps: int = 100
+    """Stop after this many optimizer steps (counted across restarts)."""
+    staleness_bound: int | None = 4
+    """Drop trajectories with an action token more than this many versions behind; None = keep all."""
+    publish_every: int = 1
+    """Push weights to the servers every this many optimizer steps (0 = never)."""
+    kv_refresh_every: int = 1
+    """Every this many pushes the servers drop their KV and prefix caches, so running requests
+    recompute their contexts under the new weights; the pushes in between keep the keys and values
+    computed so far (far less work for a CPU server; the behavior log-probs still describe what
+    sampled, but reused keys may be up to kv_refresh_every - 1 versions older than the version
+    labels say). 1 = every push (exact). agentrl/common/weights.py, step 3."""
+    checkpoint_every: int = 10
+    """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
+    keep_checkpoints: int = 2
+    """Number of newest checkpoints kept on disk."""
+    group_endpoint: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint the learner binds to receive trajectory groups."""
+    version_endpoint: str | None = "tcp://127.0.0.1:5556"
+    """ZeroMQ endpoint the learner binds to publish its version (None = do not publish)."""
+    server_urls: list[str] = field(default_factory=list)
+    """vLLM server base URLs to push weights to."""
+    reward_schedule: RewardSchedule = field(default_factory=RewardSchedule)
+    """Process/task reward weights by optimizer step."""
+    init_checkpoint: str | None = None
+    """A checkpoints folder (another learner's `output_dir/checkpoints`) whose latest policy weights
+    and version this learner starts from when its own output_dir holds no checkpoint yet: the RL
+    phase starting from the SFT cold start. Optimizer, scheduler and ledger start fresh."""
+    kl_reference: bool = False
+    """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0)."""
+    seed: int = 0
+    """Seed of torch, numpy and Python's generators at start (checkpoints carry their states)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy (and value head, KL reference) trains: "auto" = "cuda" when torch sees a
+    GPU, else "cpu". On CUDA each torchrun rank uses cuda:{LOCAL_RANK} (one process per GPU), one
+    process cuda:0 of what CUDA_VISIBLE_DEVICES shows. Checkpoints and published weights are CPU
+    tensors either way. "cuda" without a GPU fails at start (`resolve_device`)."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: the longest any collective may wait for another rank (s); a rank whose peer
+    died or hangs fails after at most this. Rank 0 sends a heartbeat every quarter of it while it
+    waits for data, so an idle learner does not trip it."""
+    tensorboard: bool = True
+    """Write every numeric metric to output_dir/tensorboard too."""
+    progress_bar: bool = True
+    """A tqdm bar on stderr (off when a supervisor owns the terminal)."""
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_step <= 0:
+            raise ValueError(f"tokens_per_step={self.tokens_per_step} must be > 0")
+        if self.checkpoint_every <= 0:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be > 0")
+        if self.publish_every < 0:
+            raise ValueError(f"publish_every={self.publish_every} must be >= 0")
+        if self.kv_refresh_every < 1:
+            raise ValueError(f"kv_refresh_every={self.kv_refresh_every} must be >= 1 (1 = drop the servers' KV on every push)")
+        if self.mode not in ("rl", "sft"):
+            raise ValueError(f"mode={self.mode!r}: choose 'rl' or 'sft'")
+        if self.trainer.loss.kl_coef > 0 and not self.kl_reference:
+            raise ValueError("trainer.loss.kl_coef > 0 needs kl_reference = true")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s={self.dist_timeout_s} must be > 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu' or 'cuda' (under torchrun each rank "
+                             "takes cuda:{LOCAL_RANK}; pick GPUs with CUDA_VISIBLE_DEVICES)")
+
+
+def pick_device(name: str, num_cuda_devices: int, local_rank: int | None) -> torch.device:
+    """The device for `LearnerConfig.device` on a host with `num_cuda_devices` visible GPUs;
+    `local_rank` is torchrun's LOCAL_RANK (None for one process). Pure: `resolve_device` feeds it."""
+    if name == "cpu" or (name == "auto" and num_cuda_devices == 0):
+        return torch.device("cpu")
+    if name not in ("auto", "cuda"):
+        raise ValueError(f"device={name!r}: choose 'auto', 'cpu' or 'cuda'")
+    if num_cuda_devices == 0:
+        raise RuntimeError(
+            f"device = 'cuda' but torch sees no CUDA device (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set "
+            "device = 'cpu' (or 'auto') in the learner config, or run on a GPU host with a CUDA build of torch")
+    index = local_rank or 0
+    if index >= num_cuda_devices:
+        raise RuntimeError(
+            f"torchrun LOCAL_RANK={index} but only {num_cuda_devices} CUDA device(s) are visible: one learner "
+            f"rank per GPU, so start at most --nproc_per_node {num_cuda_devices} (or set device = 'cpu')")
+    return torch.device("cuda", index)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`pick_device` for this process (torchrun's LOCAL_RANK, the GPUs torch sees)."""
+    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ and "LOCAL_RANK" in os.environ else None
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pick_device(name, num_gpus, local_rank)
