@@ -9,7 +9,7 @@ importance sampling). For every token t with mask_t = 1, in sequence s(t):
     r_t   = exp(clamp(mean_{u in s(t), mask_u}(logp_u - prox_u), -20, 20))  ratio_level == "sequence" (GSPO)
     w_t   = min(exp(prox_t - behav_t), is_cap)      (w_t = 1 when is_cap is None)
     pg_t  = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
-    pg_t  = min(pg_t, -A_t c)      for A_t < 0 when clip_ratio_c = c is set (dual clip)
+    pg_t  = min(pg_t, -A_t c)      for A_t < 0 (dual clip, clip_ratio_c = c; default 3, None: off)
     d_t   = clamp(ref_t - logp_t, -20, 20)
     kl_t  = exp(d_t) - d_t - 1                                            (k3 estimator, kl_coef > 0)
     l_t   = pg_t w_t + kl_coef * kl_t - entropy_coef * ent_t
@@ -31,7 +31,7 @@ The dual clip: for A_t < 0 and r_t > c > 1, max(r_t, clip(r_t)) = r_t, so pg_t =
 
 Statistics (masked-token means, whatever the aggregation): clip_frac_low = share of tokens with
 A_t < 0 and r_t < 1 - eps_low (the lower clip zeroes their gradient), clip_frac_high = share with
-A_t > 0 and r_t > 1 + eps_high, dual_clip_frac = share with A_t < 0 and r_t > c (when c is set),
+A_t > 0 and r_t > 1 + eps_high, dual_clip_frac = share with A_t < 0 and r_t > c (when it is on),
 ratio_mean = mean r_t, is_trunc_frac = share with exp(prox_t - behav_t) > is_cap, kl = mean kl_t,
 entropy = mean ent_t, num_tokens = sum mask_t.
 
@@ -230,7 +230,7 @@ def policy_loss_with_backend(
         num_seqs, config, backend,
     )
     stats = dict(zip(_STAT_NAMES, stats_vec[:4], strict=True))
-    if config.clip_ratio_c is not None:
+    if config.dual_clip_on:
         stats["dual_clip_frac"] = stats_vec[4]
     if config.kl_coef > 0:
         stats["kl"] = stats_vec[5]
@@ -260,8 +260,8 @@ def policy_loss(
     sequence's advantage to its tokens), mask (bool, True = action token), seq_ids (int64 in
     [0, num_seqs)), ref_logprobs (needed when kl_coef > 0), entropy (per-token entropy, may require
     grad; needed when entropy_coef > 0). Returns the scalar loss (logprobs' dtype) and the stats
-    dict: clip_frac_low, clip_frac_high, ratio_mean, is_trunc_frac, dual_clip_frac (when
-    clip_ratio_c is set), kl (when kl_coef > 0), entropy (when given), num_tokens. Uses the Triton
+    dict: clip_frac_low, clip_frac_high, ratio_mean, is_trunc_frac, dual_clip_frac (when the dual
+    clip is on), kl (when kl_coef > 0), entropy (when given), num_tokens. Uses the Triton
     kernel on CUDA and the torch path elsewhere.
     """
     backend = "triton" if logprobs.is_cuda else "torch"

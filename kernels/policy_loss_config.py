@@ -35,12 +35,13 @@ class PolicyLossConfig:
     """Lower clip: the ratio is clipped at 1 - eps_low (dimensionless, in [0, 1))."""
     eps_high: float = 0.28
     """Upper clip (DAPO clip-higher): the ratio is clipped at 1 + eps_high (dimensionless, >= 0)."""
-    clip_ratio_c: float | None = None
+    clip_ratio_c: float | None = 3.0
     """Dual clip (Ye et al. 2020, arXiv:1912.09729; verl's clip_ratio_c) for tokens with A < 0: the
     ratio's contribution is capped at c, pg_t = min(max(-A r, -A clip(r)), -A c), so pg_t = -A c with
-    zero gradient where r > c. Dimensionless, > 1; None (or math.inf, which a TOML file can spell)
-    disables it. Off by default: the trainer evaluates the proximal policy in the same forward as
-    the update (r = 1 exactly), where it can never act; see docs/notes/issue-16.md for the figures."""
+    zero gradient where r > c. Dimensionless, > 1; None or math.inf (which a TOML file can spell)
+    disables it. Default 3.0 (verl's): free where it cannot act (r = 1 exactly in the trainer as
+    wired) and it halves the gradient norm of a batch whose log-ratio has drifted by 1 nat
+    (docs/notes/issue-16.md)."""
     is_cap: float | None = 2.0
     """Truncation of the decoupled importance weight pi_prox / pi_behavior (TIS), dimensionless,
     > 0 (math.inf keeps the untruncated weight). None disables the weight (w = 1)."""
@@ -85,8 +86,12 @@ class PolicyLossConfig:
 
     @property
     def dual_clip_bound(self) -> float:
-        """c as the kernels take it: math.inf when the dual clip is off (r > inf never holds)."""
+        """c as the kernels take it: math.inf when the dual clip is off (None or math.inf)."""
         return math.inf if self.clip_ratio_c is None else float(self.clip_ratio_c)
+
+    @property
+    def dual_clip_on(self) -> bool:
+        return self.dual_clip_bound < math.inf
 
 
 def validate_policy_loss_inputs(

@@ -97,10 +97,9 @@ def policy_loss_reference(
     clipped_ratio = ratio.clamp(1 - config.eps_low, 1 + config.eps_high)
     pg_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
     dual_clipped = torch.zeros_like(m)
-    if config.clip_ratio_c is not None:
-        # verl's form: min(max(-A r, -A clip(r)), -A c) for A < 0. With c = inf, -A c is NaN at A = 0,
-        # in the branch torch.where does not take (and adv is a constant: no gradient reaches it).
-        dual_bound = -adv * config.clip_ratio_c
+    if config.dual_clip_on:
+        # verl's form: min(max(-A r, -A clip(r)), -A c) for A < 0.
+        dual_bound = -adv * config.dual_clip_bound
         dual_clipped = ((adv < 0) & (pg_loss > dual_bound)).to(dtype)
         pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, dual_bound), pg_loss)
 
@@ -137,7 +136,7 @@ def policy_loss_reference(
 
     stats["clip_frac_low"] = masked_mean(((adv < 0) & (ratio < 1 - config.eps_low)).to(dtype))
     stats["clip_frac_high"] = masked_mean(((adv > 0) & (ratio > 1 + config.eps_high)).to(dtype))
-    if config.clip_ratio_c is not None:
+    if config.dual_clip_on:
         stats["dual_clip_frac"] = masked_mean(dual_clipped)
     stats["ratio_mean"] = masked_mean(ratio)
     stats["is_trunc_frac"] = masked_mean(is_truncated)

@@ -206,11 +206,14 @@ CONFIGS = [
     PolicyLossConfig(ratio_level="sequence", agg="token_mean", kl_coef=0.1, is_cap=math.inf),
     PolicyLossConfig(eps_low=0.1, eps_high=0.1, is_cap=1.2, kl_coef=0.2, entropy_coef=0.05, agg="constant",
                      constant_normaliser=10.0),
-    # Dual clip: at these inputs c = 1.5 caps 4 of the 29 masked tokens, the GSPO case (1.3) 7.
+    # Dual clip: at these inputs c = 1.5 caps 4 of the 29 masked tokens, the GSPO case (1.3) 7 (the
+    # default c = 3 in the configs above caps none); and one config with it off.
     PolicyLossConfig(clip_ratio_c=1.5, kl_coef=0.05),
     PolicyLossConfig(ratio_level="sequence", eps_low=3e-2, eps_high=4e-2, clip_ratio_c=1.3, agg="seq_mean",
                      is_cap=None),
+    PolicyLossConfig(clip_ratio_c=None, kl_coef=0.05, entropy_coef=0.01),
 ]
+DUAL_CLIP_ACTIVE = (1.5, 1.3)
 
 
 def config_id(config: PolicyLossConfig) -> str:
@@ -244,7 +247,8 @@ def test_policy_loss_matches_reference(config):
         # The chosen inputs must exercise every branch, or the comparison proves little.
         assert ref[1]["clip_frac_low"] > 0 and ref[1]["clip_frac_high"] > 0
         assert config.is_cap in (None, math.inf) or ref[1]["is_trunc_frac"] > 0
-    assert config.clip_ratio_c is None or ref[1]["dual_clip_frac"] > 0
+    assert config.clip_ratio_c not in DUAL_CLIP_ACTIVE or ref[1]["dual_clip_frac"] > 0
+    assert ("dual_clip_frac" in ref[1]) == (config.clip_ratio_c is not None)
 
 
 def test_policy_loss_clip_semantics_by_hand():
@@ -325,15 +329,14 @@ def test_dual_clip_float32_and_infinite_bound():
     loss, stats, grad_N = dual_clip_by_hand(policy_loss, 3.0, dtype=torch.float32)
     assert loss.item() == pytest.approx(DUAL_CLIP_EXPECTED[3.0]["loss"], rel=1e-6)
     assert grad_N.tolist() == pytest.approx(DUAL_CLIP_EXPECTED[3.0]["grad"], rel=1e-6, abs=1e-7)
-    # c = inf (how a TOML file turns the dual clip off) is the undual-clipped loss, with no NaN from -A c
-    # at A = 0 (the masked and zero-advantage tokens of make_loss_inputs).
+    # c = inf (how a TOML file turns the dual clip off) is exactly c = None, zero advantages included.
     floats, mask_N, seq_ids_N = make_loss_inputs(seed=3)
     floats[3][::4] = 0.0
     for fn in (policy_loss, policy_loss_reference):
-        off = run_loss(fn, floats, mask_N, seq_ids_N, 5, PolicyLossConfig(kl_coef=0.05))
+        off = run_loss(fn, floats, mask_N, seq_ids_N, 5, PolicyLossConfig(kl_coef=0.05, clip_ratio_c=None))
         inf = run_loss(fn, floats, mask_N, seq_ids_N, 5, PolicyLossConfig(kl_coef=0.05, clip_ratio_c=math.inf))
         assert inf[0].item() == off[0].item() and torch.equal(inf[2], off[2]) and torch.equal(inf[3], off[3])
-        assert inf[1]["dual_clip_frac"].item() == 0
+        assert inf[1].keys() == off[1].keys() and "dual_clip_frac" not in inf[1]
     for fn in (policy_loss, policy_loss_reference):
         loss, stats, grad_N = dual_clip_by_hand(fn, math.inf)
         assert loss.item() == pytest.approx(DUAL_CLIP_EXPECTED[None]["loss"], abs=1e-12)
@@ -351,7 +354,7 @@ def kl_gap_inputs(gap: float, dtype: torch.dtype):
 
 
 KL_GAP_CONFIGS = [
-    PolicyLossConfig(kl_coef=0.1),
+    PolicyLossConfig(kl_coef=0.1, clip_ratio_c=None),
     PolicyLossConfig(ratio_level="sequence", agg="seq_mean", kl_coef=0.05, clip_ratio_c=3.0, entropy_coef=0.01),
 ]
 # float32: as in test_policy_loss_matches_reference; bf16 returns the loss and the gradient in bf16
@@ -442,7 +445,7 @@ def test_policy_loss_config_and_input_validation():
     for bad in (1.0, 0.5, -3.0, math.nan, True):
         with pytest.raises(ValueError, match="clip_ratio_c must be a float > 1"):
             PolicyLossConfig(clip_ratio_c=bad)
-    assert PolicyLossConfig(clip_ratio_c=3).dual_clip_bound == 3.0
+    assert PolicyLossConfig().clip_ratio_c == 3.0 and PolicyLossConfig(clip_ratio_c=3).dual_clip_bound == 3.0
     assert PolicyLossConfig(clip_ratio_c=None).dual_clip_bound == math.inf
     floats, mask_N, seq_ids_N = make_loss_inputs()
     lp, prox, behav, adv, ref, ent = floats
