@@ -1,7 +1,9 @@
-"""Fused linear log-prob vs the materialised reference (and torch.compile of it): memory and time.
+"""Fused linear log-prob vs the materialised reference (and torch.compile of it): memory and time;
+the policy loss's dual clip: its cost and its effect on synthetic off-policy batches.
 
     python benchmarks/kernels.py                 # CPU mode here; CUDA mode when a GPU is present
     python benchmarks/kernels.py --device cuda   # what benchmarks/gpu_check.sh runs
+    python benchmarks/kernels.py --suite policy_loss   # only the policy-loss part (~1 min on the CPU)
 
 The measured step is what the learner does per micro-batch: logprobs = f(hidden, weight, targets),
 loss = (logprobs * g).sum(), loss.backward() into hidden and the LM-head weight (fp32 on the CPU,
@@ -28,6 +30,17 @@ materialised reference, torch.compile of it, and the fused path with the policy 
 Liger-Kernel's LigerFusedLinearGRPOLoss on the same tokens; peak extra memory from
 torch.cuda.max_memory_allocated. Achieved TFLOP/s use 2NHV for the forward and 8NHV for training
 (forward 2NHV; backward: recompute 2NHV + grad_hidden 2NHV + grad_weight 2NHV).
+
+Policy loss (`--suite policy_loss`, keys pl_*; both modes): the per-token kernel of `policy_loss`
+(torch on the CPU, Triton on CUDA) with the dual clip off (clip_ratio_c = None) and on (3.0), with
+kl_coef = 0.05 and is_cap = 2, token_mean, float32, on N in {32768, 131072} tokens (sequences of 256,
+a GRPO advantage N(0, 1) per sequence). Timed step: loss and stats forward + backward into the
+log-probs; rounds interleave the two configs (one run each, order rotating) after warm-up; median
+and spread; overhead = median(on) / median(off) - 1. Effect, at N = 32768: the proximal log-ratio
+logp - prox drawn from N(0, s) for s in {0, 0.1, 0.3, 1} nats (s = 0 is the trainer as wired: it
+evaluates the proximal policy in the update's own forward, so r = 1) and from a heavy-tailed
+Student-t (2 degrees of freedom, scale 0.1); for each, the dual-clipped share of tokens, the loss,
+the gradient's L2 norm and its largest entry with and without the dual clip.
 
 Prints progress on stderr and one JSON line last (flat keys) on stdout.
 """
@@ -240,7 +253,8 @@ def _cuda_one_size(n: int, out: dict, compiled_ref, liger_loss) -> None:
     from agentrl.kernels import PolicyLossConfig, linear_logprob, linear_logprob_reference, policy_loss
 
     device = torch.device("cuda")
-    config = PolicyLossConfig(eps_low=0.2, eps_high=0.28, is_cap=None, agg="token_mean")
+    # Liger's GRPO loss has no dual clip: compare like with like.
+    config = PolicyLossConfig(eps_low=0.2, eps_high=0.28, is_cap=None, agg="token_mean", clip_ratio_c=None)
     seq_len = 1024
     gen = torch.Generator(device=device).manual_seed(n)
     hidden = (torch.randn(n, CUDA_HIDDEN, generator=gen, device=device) * 0.5).bfloat16().requires_grad_()
@@ -367,10 +381,131 @@ def run_cuda() -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- policy loss (dual clip)
+
+PL_SIZES = (32768, 131072)
+# ~4 ms and ~11 ms per step on 2 cores: 300 / 100 interleaved rounds take ~5 s and tame this machine's
+# load swings (a 30-round run had spreads above the medians).
+PL_WARMUP, PL_ROUNDS = 5, {32768: 300, 131072: 100}
+PL_SEQ_LEN, PL_DUAL_C = 256, 3.0
+# Proximal log-ratio distributions for the effect table: (name, kind, scale in nats).
+PL_STALENESS = (("s0", "normal", 0.0), ("s0.1", "normal", 0.1), ("s0.3", "normal", 0.3),
+                ("s1", "normal", 1.0), ("t2_0.1", "student_t2", 0.1))
+
+
+def _pl_batch(num_tokens: int, device, kind: str, scale: float, seed: int) -> dict:
+    """A packed batch for `policy_loss`: logprobs [N] (a leaf that requires grad) and its constants."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = num_tokens // PL_SEQ_LEN
+    logprobs_N = -torch.rand(num_tokens, generator=gen) * 3
+    if kind == "normal":
+        step_N = torch.randn(num_tokens, generator=gen) * scale
+    else:  # Student-t with 2 degrees of freedom: z / sqrt(chi2_2 / 2), chi2_2 = -2 log U
+        chi2_N = -2 * torch.rand(num_tokens, generator=gen).clamp(min=1e-12).log()
+        step_N = torch.randn(num_tokens, generator=gen) / (chi2_N / 2).sqrt() * scale
+    proximal_N = logprobs_N - step_N
+    seq_ids_N = torch.arange(num_tokens) // PL_SEQ_LEN
+    batch = {
+        "logprobs": logprobs_N,
+        "proximal_logprobs": proximal_N,
+        "behavior_logprobs": proximal_N + 0.1 * torch.randn(num_tokens, generator=gen),
+        "advantages": torch.randn(num_seqs, generator=gen)[seq_ids_N],
+        "mask": torch.ones(num_tokens, dtype=torch.bool),
+        "seq_ids": seq_ids_N,
+        "ref_logprobs": proximal_N + 0.3 * torch.randn(num_tokens, generator=gen),
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["logprobs"].requires_grad_()
+    return batch | {"num_seqs": num_seqs}
+
+
+def _pl_step(batch: dict, config) -> tuple:
+    """(loss, stats, grad of the log-probs) of one forward + backward."""
+    from agentrl.kernels import policy_loss
+
+    batch["logprobs"].grad = None
+    args = [batch[k] for k in ("logprobs", "proximal_logprobs", "behavior_logprobs", "advantages", "mask", "seq_ids")]
+    loss, stats = policy_loss(*args, num_seqs=batch["num_seqs"], config=config, ref_logprobs=batch["ref_logprobs"])
+    loss.backward()
+    return loss, stats, batch["logprobs"].grad
+
+
+def _pl_configs() -> dict:
+    from agentrl.kernels import PolicyLossConfig
+
+    return {
+        "off": PolicyLossConfig(kl_coef=0.05, is_cap=2.0, clip_ratio_c=None),
+        "dual": PolicyLossConfig(kl_coef=0.05, is_cap=2.0, clip_ratio_c=PL_DUAL_C),
+    }
+
+
+def _pl_timed_run(fn, device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_policy_loss(device) -> dict:
+    """The pl_* keys (module docstring): dual-clip overhead per N, then its effect per staleness."""
+    out: dict = {}
+    prefix = f"pl_{device.type}"
+    configs = _pl_configs()
+    for n in PL_SIZES:
+        batch = _pl_batch(n, device, "normal", 0.3, seed=n)
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        for config in configs.values():
+            for _ in range(PL_WARMUP):
+                _pl_step(batch, config)
+        for r in range(PL_ROUNDS[n]):
+            order = list(configs)[r % len(configs):] + list(configs)[: r % len(configs)]
+            for name in order:
+                times[name].append(_pl_timed_run(lambda b=batch, c=configs[name]: _pl_step(b, c), device))
+        for name, runs in times.items():
+            out[f"{prefix}_{name}_ms_n{n}"] = round(1e3 * statistics.median(runs), 3)
+            out[f"{prefix}_{name}_spread_ms_n{n}"] = round(1e3 * spread(runs), 3)
+        out[f"{prefix}_dual_overhead_n{n}"] = round(statistics.median(times["dual"]) / statistics.median(times["off"]) - 1, 4)
+        log(f"policy loss N={n}: off {out[f'{prefix}_off_ms_n{n}']} ms, dual {out[f'{prefix}_dual_ms_n{n}']} ms")
+
+    n = PL_SIZES[0]
+    for name, kind, scale in PL_STALENESS:
+        batch = _pl_batch(n, device, kind, scale, seed=1)
+        results = {}
+        for config_name, config in configs.items():
+            loss, stats, grad_N = _pl_step(batch, config)
+            results[config_name] = (float(loss.detach()), stats, float(grad_N.norm()), float(grad_N.abs().max()))
+        (loss_off, stats_off, norm_off, max_off), (loss_on, stats_on, norm_on, max_on) = results["off"], results["dual"]
+        key = f"{prefix}_effect_{name}"
+        out[f"{key}_dual_clip_frac"] = round(float(stats_on["dual_clip_frac"]), 6)
+        out[f"{key}_clip_frac_low"] = round(float(stats_off["clip_frac_low"]), 6)
+        out[f"{key}_ratio_max"] = round(float((batch["logprobs"].detach() - batch["proximal_logprobs"]).exp().max()), 3)
+        out[f"{key}_loss_off"] = round(loss_off, 6)
+        out[f"{key}_loss_dual"] = round(loss_on, 6)
+        out[f"{key}_grad_norm_off"] = round(norm_off, 6)
+        out[f"{key}_grad_norm_dual"] = round(norm_on, 6)
+        out[f"{key}_grad_max_off"] = round(max_off, 6)
+        out[f"{key}_grad_max_dual"] = round(max_on, 6)
+        log(f"effect {name}: dual-clipped {out[f'{key}_dual_clip_frac']:.4%}, loss {loss_off:.4f} -> {loss_on:.4f}, "
+            f"grad norm {norm_off:.4g} -> {norm_on:.4g}, max {max_off:.3g} -> {max_on:.3g}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda when available, else cpu")
+    parser.add_argument("--suite", choices=("all", "logprob", "policy_loss"), default="all",
+                        help="logprob: the linear log-prob paths; policy_loss: the dual clip's cost and effect")
     args = parser.parse_args(argv)
 
     import torch
@@ -382,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     started = time.perf_counter()
     result = machine_info()
-    result.update(run_cuda() if device == "cuda" else run_cpu())
+    result["suite"] = args.suite
+    if args.suite in ("all", "logprob"):
+        result.update(run_cuda() if device == "cuda" else run_cpu())
+    if args.suite in ("all", "policy_loss"):
+        result.update(run_policy_loss(torch.device(device)))
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result))
     return 0

@@ -2,15 +2,17 @@
 
 Shape legend: N tokens (packed sequences, any order), S sequences (`num_seqs`).
 
-The objective (AReaL's decoupled PPO, with DAPO's clip-higher and truncated importance sampling).
-For every token t with mask_t = 1, in sequence s(t):
+The objective (AReaL's decoupled PPO, with DAPO's clip-higher, the dual clip and truncated
+importance sampling). For every token t with mask_t = 1, in sequence s(t):
 
     r_t   = exp(clamp(logp_t - prox_t, -20, 20))                       ratio_level == "token"
     r_t   = exp(clamp(mean_{u in s(t), mask_u}(logp_u - prox_u), -20, 20))  ratio_level == "sequence" (GSPO)
     w_t   = min(exp(prox_t - behav_t), is_cap)      (w_t = 1 when is_cap is None)
-    pg_t  = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) * w_t
-    kl_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1                  (k3 estimator, kl_coef > 0)
-    l_t   = pg_t + kl_coef * kl_t - entropy_coef * ent_t
+    pg_t  = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+    pg_t  = min(pg_t, -A_t c)      for A_t < 0 (dual clip, clip_ratio_c = c; default 3, None: off)
+    d_t   = clamp(ref_t - logp_t, -20, 20)
+    kl_t  = exp(d_t) - d_t - 1                                            (k3 estimator, kl_coef > 0)
+    l_t   = pg_t w_t + kl_coef * kl_t - entropy_coef * ent_t
 
 and the loss aggregates l_t over masked tokens:
 
@@ -19,16 +21,19 @@ and the loss aggregates l_t over masked tokens:
     constant:   sum_t mask_t l_t / constant_normaliser                            (Dr. GRPO)
 
 logp_t is pi_theta (differentiable); prox_t (the proximal policy, recomputed by the learner before
-the update), behav_t (what the inference engine sampled with) and ref_t are constants. The clamp of
-the log-ratio at +-20 keeps exp finite in float32 (exp(20) = 4.9e8) for a token whose proximal
-log-prob is -inf-like; its gradient is zero outside the clamp, as torch.clamp's is. In GSPO mode the
-gradient flows through the sequence mean (d log r_s / d logp_t = 1 / |s| for the masked tokens of s);
-the importance weight w_t stays per token, because the engine/trainer mismatch it corrects is per token.
+the update), behav_t (what the inference engine sampled with) and ref_t are constants. The clamps of
+the log-ratios at +-20 keep exp finite in float32 (exp(20) = 4.9e8; `policy_loss_config` says why
+for each); the gradient is zero outside a clamp, as torch.clamp's is. In GSPO mode the gradient flows
+through the sequence mean (d log r_s / d logp_t = 1 / |s| for the masked tokens of s); the
+importance weight w_t stays per token, because the engine/trainer mismatch it corrects is per token.
+The dual clip: for A_t < 0 and r_t > c > 1, max(r_t, clip(r_t)) = r_t, so pg_t = -A_t c, a constant
+(zero gradient); everywhere else it leaves pg_t as it was.
 
 Statistics (masked-token means, whatever the aggregation): clip_frac_low = share of tokens with
 A_t < 0 and r_t < 1 - eps_low (the lower clip zeroes their gradient), clip_frac_high = share with
-A_t > 0 and r_t > 1 + eps_high, ratio_mean = mean r_t, is_trunc_frac = share with
-exp(prox_t - behav_t) > is_cap, kl = mean kl_t, entropy = mean ent_t, num_tokens = sum mask_t.
+A_t > 0 and r_t > 1 + eps_high, dual_clip_frac = share with A_t < 0 and r_t > c (when it is on),
+ratio_mean = mean r_t, is_trunc_frac = share with exp(prox_t - behav_t) > is_cap, kl = mean kl_t,
+entropy = mean ent_t, num_tokens = sum mask_t.
 
 Masked tokens may hold anything (padding ids, -inf, NaN): they are replaced by zeros before any
 arithmetic, contribute nothing and get zero gradient. An all-masked batch gives loss 0.
@@ -40,112 +45,18 @@ gradient by the incoming scalar. Everything is O(N): the torch path needs no chu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
 
-# The log-ratio clamp (see module docstring): exp(20) = 4.9e8 is finite in float32 and in bf16.
-log_ratio_clamp = 20.0
+from agentrl.kernels.policy_loss_config import (
+    PolicyLossConfig,
+    kl_log_ratio_clamp,
+    log_ratio_clamp,
+    validate_policy_loss_inputs,
+)
 
 _STAT_NAMES = ("clip_frac_low", "clip_frac_high", "ratio_mean", "is_trunc_frac")
-
-
-@dataclass
-class PolicyLossConfig:
-    eps_low: float = 0.2
-    """Lower clip: the ratio is clipped at 1 - eps_low (dimensionless, in [0, 1))."""
-    eps_high: float = 0.28
-    """Upper clip (DAPO clip-higher): the ratio is clipped at 1 + eps_high (dimensionless, >= 0)."""
-    is_cap: float | None = 2.0
-    """Truncation of the decoupled importance weight pi_prox / pi_behavior (TIS), dimensionless,
-    > 0 (math.inf keeps the untruncated weight). None disables the weight (w = 1)."""
-    ratio_level: str = "token"
-    """"token" (PPO/GRPO) or "sequence" (GSPO: geometric mean of the ratio over a sequence's masked
-    tokens)."""
-    agg: str = "token_mean"
-    """"token_mean" (DAPO), "seq_mean" (mean per sequence, then over sequences) or "constant"
-    (Dr. GRPO: sum / constant_normaliser)."""
-    constant_normaliser: float | None = None
-    """Denominator for agg == "constant", in tokens (e.g. max response tokens x number of sequences)."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference policy (per token, nats); needs ref_logprobs when > 0."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus (nats), subtracted from the loss; needs entropy when > 0."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
-        if self.eps_high < 0:
-            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
-        if self.is_cap is not None and not self.is_cap > 0:
-            raise ValueError(f"is_cap must be > 0 (math.inf for no truncation) or None, got {self.is_cap}")
-        if self.ratio_level not in ("token", "sequence"):
-            raise ValueError(f"ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
-        if self.agg not in ("token_mean", "seq_mean", "constant"):
-            raise ValueError(f"agg must be 'token_mean', 'seq_mean' or 'constant', got {self.agg!r}")
-        if self.agg == "constant":
-            if self.constant_normaliser is None or not self.constant_normaliser > 0:
-                raise ValueError(
-                    "agg='constant' needs constant_normaliser > 0 (e.g. max response tokens x num sequences), "
-                    f"got {self.constant_normaliser}"
-                )
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
-
-
-def _validate_policy_loss_inputs(
-    logprobs_N: torch.Tensor,
-    proximal_logprobs_N: torch.Tensor,
-    behavior_logprobs_N: torch.Tensor | None,
-    advantages_N: torch.Tensor,
-    mask_N: torch.Tensor,
-    seq_ids_N: torch.Tensor,
-    num_seqs: int,
-    config: PolicyLossConfig,
-    ref_logprobs_N: torch.Tensor | None,
-    entropy_N: torch.Tensor | None,
-) -> None:
-    if not isinstance(config, PolicyLossConfig):
-        raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    if logprobs_N.dim() != 1:
-        raise ValueError(f"logprobs must be 1-D [N] (packed tokens), got shape {tuple(logprobs_N.shape)}")
-    num_tokens = logprobs_N.shape[0]
-    floats = {
-        "logprobs": logprobs_N,
-        "proximal_logprobs": proximal_logprobs_N,
-        "behavior_logprobs": behavior_logprobs_N,
-        "advantages": advantages_N,
-        "ref_logprobs": ref_logprobs_N,
-        "entropy": entropy_N,
-    }
-    for name, tensor in floats.items():
-        if tensor is None:
-            continue
-        if tensor.shape != (num_tokens,):
-            raise ValueError(f"{name} must have shape [N] = ({num_tokens},), got {tuple(tensor.shape)}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
-        if tensor.device != logprobs_N.device:
-            raise ValueError(f"{name} is on {tensor.device} but logprobs is on {logprobs_N.device}")
-    for name, tensor, dtype in (("mask", mask_N, torch.bool), ("seq_ids", seq_ids_N, torch.int64)):
-        if tensor.shape != (num_tokens,):
-            raise ValueError(f"{name} must have shape [N] = ({num_tokens},), got {tuple(tensor.shape)}")
-        if tensor.dtype != dtype:
-            raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}")
-        if tensor.device != logprobs_N.device:
-            raise ValueError(f"{name} is on {tensor.device} but logprobs is on {logprobs_N.device}")
-    if not isinstance(num_seqs, int) or num_seqs < 1:
-        raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
-    if num_tokens and (int(seq_ids_N.min()) < 0 or int(seq_ids_N.max()) >= num_seqs):
-        raise ValueError(
-            f"seq_ids must lie in [0, num_seqs={num_seqs}), got range [{int(seq_ids_N.min())}, {int(seq_ids_N.max())}]"
-        )
-    if config.is_cap is not None and behavior_logprobs_N is None:
-        raise ValueError("behavior_logprobs is required when config.is_cap is set (set is_cap=None to disable the IS weight)")
-    if config.kl_coef > 0 and ref_logprobs_N is None:
-        raise ValueError("config.kl_coef > 0 needs ref_logprobs")
-    if config.entropy_coef > 0 and entropy_N is None:
-        raise ValueError("config.entropy_coef > 0 needs entropy (linear_logprob(..., return_entropy=True))")
 
 
 def _token_terms_torch(
@@ -154,17 +65,23 @@ def _token_terms_torch(
     log_is_N: torch.Tensor | None,
     agg_N: torch.Tensor,
     kl_delta_N: torch.Tensor | None,
-    config: PolicyLossConfig,
+    *,
+    lower: float,
+    upper: float,
+    dual_clip: float,
+    is_cap: float,
+    kl_coef: float,
+    kl_clamp: float,
 ) -> tuple[torch.Tensor, ...]:
     """Per-token loss term and derivatives, the torch twin of `_policy_loss_kernel`.
 
-    Inputs are float32 (float64 in tests), already zeroed at masked tokens; agg_N carries the mask and
-    the aggregation's normaliser. Returns (loss_N, dloss/dlog_ratio_N, dloss/dlogp_N from the KL,
-    ratio_N, low_N, high_N, trunc_N).
+    Inputs are float32 (float64 in tests), already zeroed at masked tokens; log_ratio_N is clamped,
+    kl_delta_N (ref - logp) is not: the KL clamp and its zero gradient live here, beside the KL.
+    agg_N carries the mask and the aggregation's normaliser. lower / upper are the clip bounds
+    1 -+ eps, dual_clip the dual-clip bound c (math.inf: off). Returns (loss_N, dloss/dlog_ratio_N,
+    dloss/dlogp_N from the KL, ratio_N, low_N, high_N, trunc_N, dual_N, kl_N).
     """
     ratio = log_ratio_N.exp()
-    upper = 1 + config.eps_high
-    lower = 1 - config.eps_low
     unclipped = ratio * adv_N
     clipped = ratio.clamp(lower, upper) * adv_N
     # Inside the clip range both terms are equal (and so are their gradients); outside it the min
@@ -172,33 +89,53 @@ def _token_terms_torch(
     takes_unclipped = unclipped <= clipped
     pg = -torch.minimum(unclipped, clipped)
     dpg = torch.where(takes_unclipped, -unclipped, torch.zeros_like(unclipped))
+    if dual_clip < math.inf:
+        # Dual clip: r > c > 1 with A < 0 is on the unclipped branch, whose -A r the bound replaces
+        # by the constant -A c (policy_loss docstring).
+        dual = ((adv_N < 0) & (ratio > dual_clip)).to(ratio.dtype)
+        pg = torch.where(dual > 0, -adv_N * dual_clip, pg)
+        dpg = torch.where(dual > 0, torch.zeros_like(dpg), dpg)
+    else:
+        dual = torch.zeros_like(ratio)
     if log_is_N is None:
         weight = torch.ones_like(ratio)
         trunc = torch.zeros_like(ratio)
     else:
         raw = log_is_N.exp()
-        weight = raw.clamp(max=config.is_cap)
-        trunc = (raw > config.is_cap).to(ratio.dtype)
+        weight = raw.clamp(max=is_cap)
+        trunc = (raw > is_cap).to(ratio.dtype)
     loss = agg_N * pg * weight
     dlog_ratio = agg_N * dpg * weight
     if kl_delta_N is None:
         dlogp_kl = torch.zeros_like(ratio)
+        kl = torch.zeros_like(ratio)
     else:
-        e = kl_delta_N.exp()
-        loss = loss + agg_N * config.kl_coef * (e - kl_delta_N - 1)
-        dlogp_kl = agg_N * config.kl_coef * (1 - e)
+        delta = kl_delta_N.clamp(-kl_clamp, kl_clamp)
+        e = delta.exp()
+        kl = e - delta - 1
+        loss = loss + agg_N * kl_coef * kl
+        in_clamp = kl_delta_N.abs() <= kl_clamp  # inclusive, as torch.clamp's gradient
+        dlogp_kl = torch.where(in_clamp, agg_N * kl_coef * (1 - e), torch.zeros_like(e))
     low = ((adv_N < 0) & (ratio < lower)).to(ratio.dtype)
     high = ((adv_N > 0) & (ratio > upper)).to(ratio.dtype)
-    return loss, dlog_ratio, dlogp_kl, ratio, low, high, trunc
+    return loss, dlog_ratio, dlogp_kl, ratio, low, high, trunc, dual, kl
 
 
-def _token_terms(backend: str, *args, config: PolicyLossConfig) -> tuple[torch.Tensor, ...]:
+def _token_terms(backend: str, *tensors: torch.Tensor | None, config: PolicyLossConfig) -> tuple[torch.Tensor, ...]:
+    scalars = dict(
+        lower=1.0 - config.eps_low,
+        upper=1.0 + config.eps_high,
+        dual_clip=config.dual_clip_bound,
+        is_cap=float(config.is_cap) if config.is_cap is not None else 1.0,  # unread without the IS weight
+        kl_coef=float(config.kl_coef),
+        kl_clamp=kl_log_ratio_clamp,
+    )
     if backend == "torch":
-        return _token_terms_torch(*args, config)
+        return _token_terms_torch(*tensors, **scalars)
     if backend == "triton":
         from agentrl.kernels.triton_policy_loss import token_terms_triton
 
-        return token_terms_triton(*args, config)
+        return token_terms_triton(*tensors, **scalars)
     raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
 
 
@@ -236,7 +173,7 @@ class PolicyLossFunction(torch.autograd.Function):
         log_is_N = None if config.is_cap is None else valid(proximal_N) - valid(behavior_N)
         kl_delta_N = valid(ref_N) - logp if config.kl_coef > 0 else None
 
-        loss_N, dlog_ratio_N, dlogp_kl_N, ratio_N, low_N, high_N, trunc_N = _token_terms(
+        loss_N, dlog_ratio_N, dlogp_kl_N, ratio_N, low_N, high_N, trunc_N, dual_N, kl_N = _token_terms(
             backend, log_ratio_N, valid(advantages_N), log_is_N, agg_N, kl_delta_N, config=config
         )
 
@@ -257,8 +194,9 @@ class PolicyLossFunction(torch.autograd.Function):
         def masked_mean(x_N: torch.Tensor) -> torch.Tensor:
             return (x_N * m).sum() / num_tokens.clamp(min=1)
 
-        stats = [masked_mean(low_N), masked_mean(high_N), masked_mean(ratio_N), masked_mean(trunc_N)]
-        stats.append(masked_mean(kl_delta_N.exp() - kl_delta_N - 1) if kl_delta_N is not None else zero)
+        # Laid out as _STAT_NAMES, then kl, entropy and num_tokens (zeros where they do not apply).
+        stats = [masked_mean(x_N) for x_N in (low_N, high_N, ratio_N, trunc_N, dual_N)]
+        stats.append(masked_mean(kl_N) if kl_delta_N is not None else zero)
         stats.append(masked_mean(valid(entropy_N)) if entropy_N is not None else zero)
         stats.append(num_tokens)
         stats_vec = torch.stack(stats)
@@ -283,7 +221,7 @@ def policy_loss_with_backend(
     ref_logprobs=None, entropy=None, backend: str,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`policy_loss` with the per-token kernel chosen explicitly ("torch" or "triton")."""
-    _validate_policy_loss_inputs(
+    validate_policy_loss_inputs(
         logprobs, proximal_logprobs, behavior_logprobs, advantages, mask, seq_ids, num_seqs, config,
         ref_logprobs, entropy,
     )
@@ -292,11 +230,13 @@ def policy_loss_with_backend(
         num_seqs, config, backend,
     )
     stats = dict(zip(_STAT_NAMES, stats_vec[:4], strict=True))
+    if config.dual_clip_on:
+        stats["dual_clip_frac"] = stats_vec[4]
     if config.kl_coef > 0:
-        stats["kl"] = stats_vec[4]
+        stats["kl"] = stats_vec[5]
     if entropy is not None:
-        stats["entropy"] = stats_vec[5]
-    stats["num_tokens"] = stats_vec[6]
+        stats["entropy"] = stats_vec[6]
+    stats["num_tokens"] = stats_vec[7]
     return loss, stats
 
 
@@ -320,8 +260,9 @@ def policy_loss(
     sequence's advantage to its tokens), mask (bool, True = action token), seq_ids (int64 in
     [0, num_seqs)), ref_logprobs (needed when kl_coef > 0), entropy (per-token entropy, may require
     grad; needed when entropy_coef > 0). Returns the scalar loss (logprobs' dtype) and the stats
-    dict: clip_frac_low, clip_frac_high, ratio_mean, is_trunc_frac, kl (when kl_coef > 0), entropy
-    (when given), num_tokens. Uses the Triton kernel on CUDA and the torch path elsewhere.
+    dict: clip_frac_low, clip_frac_high, ratio_mean, is_trunc_frac, dual_clip_frac (when the dual
+    clip is on), kl (when kl_coef > 0), entropy (when given), num_tokens. Uses the Triton
+    kernel on CUDA and the torch path elsewhere.
     """
     backend = "triton" if logprobs.is_cuda else "torch"
     return policy_loss_with_backend(
@@ -330,4 +271,11 @@ def policy_loss(
     )
 
 
-__all__ = ["PolicyLossConfig", "policy_loss", "policy_loss_with_backend", "PolicyLossFunction", "log_ratio_clamp"]
+__all__ = [
+    "PolicyLossConfig",
+    "policy_loss",
+    "policy_loss_with_backend",
+    "PolicyLossFunction",
+    "log_ratio_clamp",
+    "kl_log_ratio_clamp",
+]

@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.kernels.policy_loss import PolicyLossConfig, _validate_policy_loss_inputs, log_ratio_clamp
+from agentrl.kernels.policy_loss_config import (
+    PolicyLossConfig,
+    kl_log_ratio_clamp,
+    log_ratio_clamp,
+    validate_policy_loss_inputs,
+)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -66,7 +71,7 @@ def policy_loss_reference(
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO-family loss written as directly as the math in `agentrl.kernels.policy_loss`."""
-    _validate_policy_loss_inputs(
+    validate_policy_loss_inputs(
         logprobs, proximal_logprobs, behavior_logprobs, advantages, mask, seq_ids,
         num_seqs, config, ref_logprobs, entropy,
     )
@@ -91,6 +96,12 @@ def policy_loss_reference(
     ratio = log_ratio.exp()
     clipped_ratio = ratio.clamp(1 - config.eps_low, 1 + config.eps_high)
     pg_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    dual_clipped = torch.zeros_like(m)
+    if config.dual_clip_on:
+        # verl's form: min(max(-A r, -A clip(r)), -A c) for A < 0.
+        dual_bound = -adv * config.dual_clip_bound
+        dual_clipped = ((adv < 0) & (pg_loss > dual_bound)).to(dtype)
+        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, dual_bound), pg_loss)
 
     if config.is_cap is None:
         is_weight = torch.ones_like(logp)
@@ -103,7 +114,7 @@ def policy_loss_reference(
 
     stats: dict[str, torch.Tensor] = {}
     if config.kl_coef > 0:
-        delta = valid(ref_logprobs.detach()) - logp
+        delta = (valid(ref_logprobs.detach()) - logp).clamp(-kl_log_ratio_clamp, kl_log_ratio_clamp)
         kl_tok = delta.exp() - delta - 1
         loss_tok = loss_tok + config.kl_coef * kl_tok
         stats["kl"] = (kl_tok * m).sum() / num_tokens.clamp(min=1)
@@ -125,6 +136,8 @@ def policy_loss_reference(
 
     stats["clip_frac_low"] = masked_mean(((adv < 0) & (ratio < 1 - config.eps_low)).to(dtype))
     stats["clip_frac_high"] = masked_mean(((adv > 0) & (ratio > 1 + config.eps_high)).to(dtype))
+    if config.dual_clip_on:
+        stats["dual_clip_frac"] = masked_mean(dual_clipped)
     stats["ratio_mean"] = masked_mean(ratio)
     stats["is_trunc_frac"] = masked_mean(is_truncated)
     stats["num_tokens"] = num_tokens.detach()

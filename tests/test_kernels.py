@@ -11,8 +11,11 @@ a missed mask is >= 1e-2). The Triton kernels are tested in test_kernels_triton.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,7 +206,18 @@ CONFIGS = [
     PolicyLossConfig(ratio_level="sequence", agg="token_mean", kl_coef=0.1, is_cap=math.inf),
     PolicyLossConfig(eps_low=0.1, eps_high=0.1, is_cap=1.2, kl_coef=0.2, entropy_coef=0.05, agg="constant",
                      constant_normaliser=10.0),
+    # Dual clip: at these inputs c = 1.5 caps 4 of the 29 masked tokens, the GSPO case (1.3) 7 (the
+    # default c = 3 in the configs above caps none); and one config with it off.
+    PolicyLossConfig(clip_ratio_c=1.5, kl_coef=0.05),
+    PolicyLossConfig(ratio_level="sequence", eps_low=3e-2, eps_high=4e-2, clip_ratio_c=1.3, agg="seq_mean",
+                     is_cap=None),
+    PolicyLossConfig(clip_ratio_c=None, kl_coef=0.05, entropy_coef=0.01),
 ]
+DUAL_CLIP_ACTIVE = (1.5, 1.3)
+
+
+def config_id(config: PolicyLossConfig) -> str:
+    return f"{config.ratio_level}-{config.agg}-kl{config.kl_coef}-is{config.is_cap}-c{config.clip_ratio_c}"
 
 
 def run_loss(fn, floats, mask_N, seq_ids_N, num_seqs, config):
@@ -216,7 +230,7 @@ def run_loss(fn, floats, mask_N, seq_ids_N, num_seqs, config):
     return loss, stats, grad_lp_N, grad_ent_N
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.ratio_level}-{c.agg}-kl{c.kl_coef}-is{c.is_cap}")
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_policy_loss_matches_reference(config):
     floats, mask_N, seq_ids_N = make_loss_inputs()
     ref = run_loss(policy_loss_reference, [t.double() for t in floats], mask_N, seq_ids_N, 5, config)
@@ -233,6 +247,8 @@ def test_policy_loss_matches_reference(config):
         # The chosen inputs must exercise every branch, or the comparison proves little.
         assert ref[1]["clip_frac_low"] > 0 and ref[1]["clip_frac_high"] > 0
         assert config.is_cap in (None, math.inf) or ref[1]["is_trunc_frac"] > 0
+    assert config.clip_ratio_c not in DUAL_CLIP_ACTIVE or ref[1]["dual_clip_frac"] > 0
+    assert ("dual_clip_frac" in ref[1]) == (config.clip_ratio_c is not None)
 
 
 def test_policy_loss_clip_semantics_by_hand():
@@ -268,6 +284,135 @@ def test_importance_weight_is_truncated_at_cap():
     assert stats["is_trunc_frac"].item() == pytest.approx(0.5)
 
 
+# A hand-computed dual-clip case: one sequence, token_mean, no IS weight, eps 0.2 / 0.28, c = 3.
+# (ratio, advantage) -> per-token loss and d loss / d logp (times N = 5) with and without the dual clip:
+#   (4.0, -1): max(4, 1.28) = 4 -> capped at 3, gradient 0  | without: 4, gradient -A r = 4
+#   (2.0, -1): 2 < 3, unclipped, gradient 2                  | the same
+#   (4.0, +1): upper clip, -1.28, gradient 0 (A > 0: never dual-clipped)
+#   (0.5, -2): lower clip, -A 0.8 = 1.6, gradient 0
+#   (10., -2): 20 -> capped at 6, gradient 0                 | without: 20, gradient 20
+DUAL_CLIP_RATIOS = (4.0, 2.0, 4.0, 0.5, 10.0)
+DUAL_CLIP_ADVANTAGES = (-1.0, -1.0, 1.0, -2.0, -2.0)
+DUAL_CLIP_EXPECTED = {
+    3.0: {"loss": (3 + 2 - 1.28 + 1.6 + 6) / 5, "grad": [0.0, 2 / 5, 0.0, 0.0, 0.0], "dual_clip_frac": 2 / 5},
+    None: {"loss": (4 + 2 - 1.28 + 1.6 + 20) / 5, "grad": [4 / 5, 2 / 5, 0.0, 0.0, 20 / 5]},
+}
+
+
+def dual_clip_by_hand(fn, clip_ratio_c: float | None, dtype=torch.float64):
+    """(loss, stats, grad) of `fn` on the case above; the log-ratios are formed in float64, then cast."""
+    prox_N = torch.full((5,), -1.0, dtype=torch.float64)
+    logprobs_N = (prox_N + torch.tensor(DUAL_CLIP_RATIOS, dtype=torch.float64).log()).to(dtype).requires_grad_()
+    config = PolicyLossConfig(eps_low=0.2, eps_high=0.28, is_cap=None, clip_ratio_c=clip_ratio_c)
+    loss, stats = fn(logprobs_N, prox_N.to(dtype), None, torch.tensor(DUAL_CLIP_ADVANTAGES, dtype=dtype),
+                     torch.ones(5, dtype=torch.bool), torch.zeros(5, dtype=torch.int64), num_seqs=1, config=config)
+    (grad_N,) = torch.autograd.grad(loss, logprobs_N)
+    return loss, stats, grad_N
+
+
+@pytest.mark.parametrize("clip_ratio_c", [3.0, None])
+@pytest.mark.parametrize("fn", [policy_loss, policy_loss_reference], ids=["fused", "reference"])
+def test_dual_clip_by_hand(fn, clip_ratio_c):
+    loss, stats, grad_N = dual_clip_by_hand(fn, clip_ratio_c)
+    expected = DUAL_CLIP_EXPECTED[clip_ratio_c]
+    assert loss.item() == pytest.approx(expected["loss"], abs=1e-12)
+    assert grad_N.tolist() == pytest.approx(expected["grad"], abs=1e-12)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 5) and stats["clip_frac_high"].item() == pytest.approx(1 / 5)
+    if clip_ratio_c is None:
+        assert "dual_clip_frac" not in stats
+    else:
+        assert stats["dual_clip_frac"].item() == pytest.approx(expected["dual_clip_frac"])
+
+
+def test_dual_clip_float32_and_infinite_bound():
+    # float32 through the fused path: within float32 rounding of the hand values.
+    loss, stats, grad_N = dual_clip_by_hand(policy_loss, 3.0, dtype=torch.float32)
+    assert loss.item() == pytest.approx(DUAL_CLIP_EXPECTED[3.0]["loss"], rel=1e-6)
+    assert grad_N.tolist() == pytest.approx(DUAL_CLIP_EXPECTED[3.0]["grad"], rel=1e-6, abs=1e-7)
+    # c = inf (how a TOML file turns the dual clip off) is exactly c = None, zero advantages included.
+    floats, mask_N, seq_ids_N = make_loss_inputs(seed=3)
+    floats[3][::4] = 0.0
+    for fn in (policy_loss, policy_loss_reference):
+        off = run_loss(fn, floats, mask_N, seq_ids_N, 5, PolicyLossConfig(kl_coef=0.05, clip_ratio_c=None))
+        inf = run_loss(fn, floats, mask_N, seq_ids_N, 5, PolicyLossConfig(kl_coef=0.05, clip_ratio_c=math.inf))
+        assert inf[0].item() == off[0].item() and torch.equal(inf[2], off[2]) and torch.equal(inf[3], off[3])
+        assert inf[1].keys() == off[1].keys() and "dual_clip_frac" not in inf[1]
+    for fn in (policy_loss, policy_loss_reference):
+        loss, stats, grad_N = dual_clip_by_hand(fn, math.inf)
+        assert loss.item() == pytest.approx(DUAL_CLIP_EXPECTED[None]["loss"], abs=1e-12)
+        assert grad_N.tolist() == pytest.approx(DUAL_CLIP_EXPECTED[None]["grad"], abs=1e-12)
+
+
+def kl_gap_inputs(gap: float, dtype: torch.dtype):
+    """make_loss_inputs with the reference `gap` nats above the policy at every 3rd token and `gap` below
+    it at every 3rd token + 1 (N = 37: both clamp sides, masked and unmasked), in `dtype`."""
+    floats, mask_N, seq_ids_N = make_loss_inputs(seed=7, dtype=torch.float64)
+    logprobs_N, ref_N = floats[0], floats[4]
+    ref_N[0::3] = logprobs_N[0::3] + gap
+    ref_N[1::3] = logprobs_N[1::3] - gap
+    return [t.to(dtype) for t in floats], mask_N, seq_ids_N
+
+
+KL_GAP_CONFIGS = [
+    PolicyLossConfig(kl_coef=0.1, clip_ratio_c=None),
+    PolicyLossConfig(ratio_level="sequence", agg="seq_mean", kl_coef=0.05, clip_ratio_c=3.0, entropy_coef=0.01),
+]
+# float32: as in test_policy_loss_matches_reference; bf16 returns the loss and the gradient in bf16
+# (8 mantissa bits: 4e-3 relative rounding), computed in float32 from the same rounded inputs.
+KL_GAP_TOLERANCES = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 1e-2)}
+
+
+def kl_gap_case(fn, gap: float, dtype: torch.dtype, config: PolicyLossConfig):
+    floats, mask_N, seq_ids_N = kl_gap_inputs(gap, dtype)
+    ref = run_loss(policy_loss_reference, [t.double() for t in floats], mask_N, seq_ids_N, 5, config)
+    out = run_loss(fn, floats, mask_N, seq_ids_N, 5, config)
+    return ref, out, mask_N
+
+
+@pytest.mark.parametrize("config", KL_GAP_CONFIGS, ids=config_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gap", [100.0, 1000.0])
+def test_kl_is_finite_and_exact_at_large_log_ratio_gaps(gap, dtype, config):
+    # exp(ref - logp) overflows float32 from a gap of 88.7 nats and float64 from 709.8 without the clamp.
+    ref, out, mask_N = kl_gap_case(policy_loss, gap, dtype, config)
+    atol, rtol = KL_GAP_TOLERANCES[dtype]
+    for name, i in (("loss", 0), ("grad logprobs", 2), ("grad entropy", 3)):
+        assert_close(ref[i], ref[i], 0, 0, f"reference {name}")  # finite
+        assert_close(out[i], ref[i], atol, rtol, name)
+    for name in ref[1]:
+        assert_close(out[1][name], ref[1][name], atol, 1e-5, name)
+    # Where the clamp acts, the KL's value is the bound's and its gradient is zero: the gradient there is
+    # the policy-gradient term's alone, bit for bit.
+    clamped_N = torch.zeros(37, dtype=torch.bool)
+    clamped_N[0::3] = clamped_N[1::3] = True
+    clamped_N &= mask_N
+    num_up, num_down = mask_N[0::3].sum().item(), mask_N[1::3].sum().item()
+    kl_at_bounds = (math.exp(20) - 21) * num_up + (math.exp(-20) + 19) * num_down
+    assert kl_at_bounds <= ref[1]["kl"].item() * mask_N.sum().item() < kl_at_bounds * (1 + 1e-6)
+    floats, _, seq_ids_N = kl_gap_inputs(gap, dtype)
+    no_kl = run_loss(policy_loss, floats, mask_N, seq_ids_N, 5, dataclasses.replace(config, kl_coef=0.0))
+    assert torch.equal(out[2][clamped_N], no_kl[2][clamped_N])
+
+
+def test_kl_clamp_by_hand():
+    # Three tokens, advantage 0 (no policy-gradient term), kl_coef 1, token_mean: gaps ref - logp of
+    # +100, -100 and 0.5 nats. k3 at the bound: exp(20) - 21 and exp(-20) + 19, gradient 0.
+    gaps = (100.0, -100.0, 0.5)
+    expected_loss = ((math.exp(20) - 21) + (math.exp(-20) + 19) + (math.exp(0.5) - 1.5)) / 3
+    expected_grad = [0.0, 0.0, (1 - math.exp(0.5)) / 3]
+    for fn, dtype, rel in ((policy_loss_reference, torch.float64, 1e-12), (policy_loss, torch.float64, 1e-12),
+                           (policy_loss, torch.float32, 1e-6)):
+        logprobs_N = torch.full((3,), -2.0, dtype=dtype, requires_grad=True)
+        ref_N = (logprobs_N.detach().double() + torch.tensor(gaps, dtype=torch.float64)).to(dtype)
+        loss, stats = fn(logprobs_N, logprobs_N.detach(), None, torch.zeros(3, dtype=dtype), torch.ones(3, dtype=torch.bool),
+                         torch.zeros(3, dtype=torch.int64), num_seqs=1,
+                         config=PolicyLossConfig(is_cap=None, kl_coef=1.0), ref_logprobs=ref_N)
+        (grad_N,) = torch.autograd.grad(loss, logprobs_N)
+        assert loss.item() == pytest.approx(expected_loss, rel=rel), (fn.__name__, dtype)
+        assert stats["kl"].item() == pytest.approx(expected_loss, rel=rel)
+        assert grad_N.tolist() == pytest.approx(expected_grad, rel=rel, abs=1e-12), (fn.__name__, dtype)
+
+
 def test_policy_loss_all_masked_and_padding_values():
     floats, _, seq_ids_N = make_loss_inputs(seed=1)
     floats[1][:] = -math.inf  # masked positions may hold anything
@@ -297,6 +442,11 @@ def test_policy_loss_config_and_input_validation():
         PolicyLossConfig(ratio_level="tokens")
     with pytest.raises(ValueError, match="eps_low"):
         PolicyLossConfig(eps_low=1.0)
+    for bad in (1.0, 0.5, -3.0, math.nan, True):
+        with pytest.raises(ValueError, match="clip_ratio_c must be a float > 1"):
+            PolicyLossConfig(clip_ratio_c=bad)
+    assert PolicyLossConfig().clip_ratio_c == 3.0 and PolicyLossConfig(clip_ratio_c=3).dual_clip_bound == 3.0
+    assert PolicyLossConfig(clip_ratio_c=None).dual_clip_bound == math.inf
     floats, mask_N, seq_ids_N = make_loss_inputs()
     lp, prox, behav, adv, ref, ent = floats
     kwargs = dict(num_seqs=5, config=PolicyLossConfig())
@@ -312,6 +462,27 @@ def test_policy_loss_config_and_input_validation():
         policy_loss(lp, prox, behav, adv[:-1], mask_N, seq_ids_N, **kwargs)
     with pytest.raises(TypeError, match="mask must be torch.bool"):
         policy_loss(lp, prox, behav, adv, mask_N.long(), seq_ids_N, **kwargs)
+
+
+def test_kernel_modules_import_no_cycle():
+    # Layout: the loss's config lives in policy_loss_config, which the fused path and the reference
+    # import; the Triton modules import nothing from the package (their launchers take scalars).
+    # Every import counts, the lazy ones inside functions included.
+    kernels_dir = Path(importlib.import_module("agentrl.kernels.policy_loss_config").__file__).parent
+    imports: dict[str, set[str]] = {}
+    for path in kernels_dir.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        found = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        found |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imports[path.stem] = {m.removeprefix("agentrl.kernels.") for m in found if m.startswith("agentrl.kernels.")}
+    assert imports["triton_policy_loss"] == set() and imports["triton_linear_logprob"] == set()
+    assert imports["policy_loss_config"] == set()
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(m == target or (m not in seen and reaches(m, target, seen | {m})) for m in imports.get(start, ()))
+
+    cycles = sorted(name for name in imports if name != "__init__" and reaches(name, name, {name}))
+    assert not cycles, f"modules on an import cycle: {cycles} ({imports})"
 
 
 # ----------------------------------------------------------------------------- convergence

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels import CONFIGS, assert_close, make_logprob_inputs, make_loss_inputs, run_logprob, run_loss
+from test_kernels import (
+    CONFIGS,
+    assert_close,
+    config_id,
+    make_logprob_inputs,
+    make_loss_inputs,
+    run_logprob,
+    run_loss,
+)
 
 from agentrl.kernels import (
     linear_logprob,
@@ -69,7 +77,7 @@ def test_triton_and_chunked_paths_agree_on_gpu():
         assert_close(x, y, 2e-5, 1e-4, name)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.ratio_level}-{c.agg}-kl{c.kl_coef}-is{c.is_cap}")
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_triton_policy_loss_matches_reference(config):
     floats, mask, seq_ids = make_loss_inputs(num_tokens=4099, num_seqs=37, seed=4)
     floats, mask, seq_ids = to_cuda(floats), mask.cuda(), seq_ids.cuda()

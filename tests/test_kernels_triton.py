@@ -34,6 +34,8 @@ CASES = [
     "logprob_tied_embedding",
     "policy_loss_configs",
     "policy_loss_all_masked",
+    "policy_loss_dual_clip_by_hand",
+    "policy_loss_kl_large_gaps",
     "tiny_model_training",
 ]
 
@@ -64,9 +66,18 @@ def test_triton_kernel_under_interpreter(case, interpreter_results):
 
 
 def _worker() -> dict:
+    import dataclasses
+    import math
+
     import torch
     from test_kernels import (
         CONFIGS,
+        DUAL_CLIP_EXPECTED,
+        KL_GAP_CONFIGS,
+        KL_GAP_TOLERANCES,
+        dual_clip_by_hand,
+        kl_gap_case,
+        kl_gap_inputs,
         make_logprob_inputs,
         make_loss_inputs,
         run_logprob,
@@ -190,6 +201,40 @@ def _worker() -> dict:
             result[f"c{i}_nonzero"] = [float(loss != 0) + float((g_lp != 0).sum() + (g_ent != 0).sum()), 0.0]
         return result
 
+    def case_dual_clip_by_hand():
+        # float32 kernel vs the hand values of test_kernels (float32 rounding: 1e-6 relative).
+        result = {}
+        for name, c, expected in (("c3", 3.0, DUAL_CLIP_EXPECTED[3.0]), ("off", None, DUAL_CLIP_EXPECTED[None]),
+                                  ("inf", math.inf, DUAL_CLIP_EXPECTED[None])):
+            loss, stats, grad = dual_clip_by_hand(triton_loss, c, dtype=torch.float32)
+            result[f"{name}_loss"] = err(loss, torch.tensor(expected["loss"]), 0.0, 1e-6)
+            result[f"{name}_grad"] = err(grad, torch.tensor(expected["grad"]), 1e-7, 1e-6)
+            if c == 3.0:
+                result["c3_dual_clip_frac"] = err(stats["dual_clip_frac"], torch.tensor(expected["dual_clip_frac"]), 1e-7, 0)
+        return result
+
+    def case_kl_large_gaps():
+        result = {}
+        for gap in (100.0, 1000.0):
+            for dtype in (torch.float32, torch.bfloat16):
+                atol, rtol = KL_GAP_TOLERANCES[dtype]
+                for i, config in enumerate(KL_GAP_CONFIGS):
+                    key = f"gap{gap:g}_{str(dtype).removeprefix('torch.')}_c{i}"
+                    ref, out, mask = kl_gap_case(triton_loss, gap, dtype, config)
+                    result[f"{key}_loss"] = err(out[0], ref[0], atol, rtol)
+                    result[f"{key}_grad_logprobs"] = err(out[2], ref[2], atol, rtol)
+                    result[f"{key}_grad_entropy"] = err(out[3], ref[3], atol, rtol)
+                    for name in ref[1]:
+                        result[f"{key}_{name}"] = err(out[1][name], ref[1][name], atol, 1e-5)
+                    # The KL's gradient is zero where the clamp acts (test_kernels states it).
+                    floats, _, seq_ids = kl_gap_inputs(gap, dtype)
+                    no_kl = run_loss(triton_loss, floats, mask, seq_ids, 5, dataclasses.replace(config, kl_coef=0.0))
+                    clamped = torch.zeros(37, dtype=torch.bool)
+                    clamped[0::3] = clamped[1::3] = True
+                    clamped &= mask
+                    result[f"{key}_clamped_grad_is_pg_only"] = err(out[2][clamped], no_kl[2][clamped], 0.0, 0.0)
+        return result
+
     def case_training():
         fused = torch.tensor(train_losses(triton_logprob, triton_loss))
         ref = torch.tensor(train_losses(linear_logprob_reference, policy_loss_reference))
@@ -205,6 +250,8 @@ def _worker() -> dict:
         "logprob_tied_embedding": case_tied,
         "policy_loss_configs": case_policy_loss,
         "policy_loss_all_masked": case_policy_loss_all_masked,
+        "policy_loss_dual_clip_by_hand": case_dual_clip_by_hand,
+        "policy_loss_kl_large_gaps": case_kl_large_gaps,
         "tiny_model_training": case_training,
     }
     assert list(cases) == CASES

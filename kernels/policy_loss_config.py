@@ -1,0 +1,149 @@
+"""The policy loss's config, its bounds and its input validation: what every path of the loss shares.
+
+The fused path (`policy_loss.py`) and the plain-PyTorch reference (`reference.py`) import this
+module; the Triton kernel (`triton_policy_loss.py`) imports nothing from the package and takes its
+scalars as arguments, so no module of the loss imports another one's implementation.
+
+Shape legend: N tokens (packed sequences), S sequences (`num_seqs`). The math is stated in
+`agentrl.kernels.policy_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Both clamps keep exp() finite in float32 (and bf16): exp(20) = 4.9e8, while exp(x) overflows float32
+# from x = 88.7. verl clamps its policy ratio's and its k3 KL's log-ratio at the same +-20.
+log_ratio_clamp = 20.0
+"""Bound on the policy log-ratio logp - prox (nats), token or sequence level."""
+kl_log_ratio_clamp = 20.0
+"""Bound on the k3 KL's log-ratio ref - logp (nats). Without it the k3 term exp(ref - logp) is inf
+in float32 once the reference assigns a token 88.7 nats more than the policy does (a token the policy
+has pushed to a -inf-like log-prob). Inside the bound the k3 term and its gradient are exact; outside
+it they are those of the bound (kl_t <= exp(20) - 21 = 4.9e8 per token, kl_t -> 19 for the other
+side) and the gradient is zero, as autograd of torch.clamp gives. The estimate itself is not clamped
+(verl also clamps it at 10): that would zero the KL's gradient from ref - logp = 2.6 nats on, exactly
+where the policy has moved furthest below the reference."""
+
+
+@dataclass
+class PolicyLossConfig:
+    eps_low: float = 0.2
+    """Lower clip: the ratio is clipped at 1 - eps_low (dimensionless, in [0, 1))."""
+    eps_high: float = 0.28
+    """Upper clip (DAPO clip-higher): the ratio is clipped at 1 + eps_high (dimensionless, >= 0)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual clip (Ye et al. 2020, arXiv:1912.09729; verl's clip_ratio_c) for tokens with A < 0: the
+    ratio's contribution is capped at c, pg_t = min(max(-A r, -A clip(r)), -A c), so pg_t = -A c with
+    zero gradient where r > c. Dimensionless, > 1; None or math.inf (which a TOML file can spell)
+    disables it. Default 3.0 (verl's): free where it cannot act (r = 1 exactly in the trainer as
+    wired) and it halves the gradient norm of a batch whose log-ratio has drifted by 1 nat
+    (docs/notes/issue-16.md)."""
+    is_cap: float | None = 2.0
+    """Truncation of the decoupled importance weight pi_prox / pi_behavior (TIS), dimensionless,
+    > 0 (math.inf keeps the untruncated weight). None disables the weight (w = 1)."""
+    ratio_level: str = "token"
+    """"token" (PPO/GRPO) or "sequence" (GSPO: geometric mean of the ratio over a sequence's masked
+    tokens)."""
+    agg: str = "token_mean"
+    """"token_mean" (DAPO), "seq_mean" (mean per sequence, then over sequences) or "constant"
+    (Dr. GRPO: sum / constant_normaliser)."""
+    constant_normaliser: float | None = None
+    """Denominator for agg == "constant", in tokens (e.g. max response tokens x number of sequences)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference policy (per token, nats); needs ref_logprobs when > 0.
+    Its log-ratio is clamped at +-kl_log_ratio_clamp (module docstring)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (nats), subtracted from the loss; needs entropy when > 0."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if self.clip_ratio_c is not None and (isinstance(self.clip_ratio_c, bool) or not self.clip_ratio_c > 1):
+            raise ValueError(
+                f"clip_ratio_c must be a float > 1 (verl defaults to 3.0), or None / math.inf to disable "
+                f"the dual clip, got {self.clip_ratio_c!r}"
+            )
+        if self.is_cap is not None and not self.is_cap > 0:
+            raise ValueError(f"is_cap must be > 0 (math.inf for no truncation) or None, got {self.is_cap}")
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level must be 'token' or 'sequence', got {self.ratio_level!r}")
+        if self.agg not in ("token_mean", "seq_mean", "constant"):
+            raise ValueError(f"agg must be 'token_mean', 'seq_mean' or 'constant', got {self.agg!r}")
+        if self.agg == "constant":
+            if self.constant_normaliser is None or not self.constant_normaliser > 0:
+                raise ValueError(
+                    "agg='constant' needs constant_normaliser > 0 (e.g. max response tokens x num sequences), "
+                    f"got {self.constant_normaliser}"
+                )
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
+
+    @property
+    def dual_clip_bound(self) -> float:
+        """c as the kernels take it: math.inf when the dual clip is off (None or math.inf)."""
+        return math.inf if self.clip_ratio_c is None else float(self.clip_ratio_c)
+
+    @property
+    def dual_clip_on(self) -> bool:
+        return self.dual_clip_bound < math.inf
+
+
+def validate_policy_loss_inputs(
+    logprobs_N: torch.Tensor,
+    proximal_logprobs_N: torch.Tensor,
+    behavior_logprobs_N: torch.Tensor | None,
+    advantages_N: torch.Tensor,
+    mask_N: torch.Tensor,
+    seq_ids_N: torch.Tensor,
+    num_seqs: int,
+    config: PolicyLossConfig,
+    ref_logprobs_N: torch.Tensor | None,
+    entropy_N: torch.Tensor | None,
+) -> None:
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if logprobs_N.dim() != 1:
+        raise ValueError(f"logprobs must be 1-D [N] (packed tokens), got shape {tuple(logprobs_N.shape)}")
+    num_tokens = logprobs_N.shape[0]
+    floats = {
+        "logprobs": logprobs_N,
+        "proximal_logprobs": proximal_logprobs_N,
+        "behavior_logprobs": behavior_logprobs_N,
+        "advantages": advantages_N,
+        "ref_logprobs": ref_logprobs_N,
+        "entropy": entropy_N,
+    }
+    for name, tensor in floats.items():
+        if tensor is None:
+            continue
+        if tensor.shape != (num_tokens,):
+            raise ValueError(f"{name} must have shape [N] = ({num_tokens},), got {tuple(tensor.shape)}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
+        if tensor.device != logprobs_N.device:
+            raise ValueError(f"{name} is on {tensor.device} but logprobs is on {logprobs_N.device}")
+    for name, tensor, dtype in (("mask", mask_N, torch.bool), ("seq_ids", seq_ids_N, torch.int64)):
+        if tensor.shape != (num_tokens,):
+            raise ValueError(f"{name} must have shape [N] = ({num_tokens},), got {tuple(tensor.shape)}")
+        if tensor.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}")
+        if tensor.device != logprobs_N.device:
+            raise ValueError(f"{name} is on {tensor.device} but logprobs is on {logprobs_N.device}")
+    if not isinstance(num_seqs, int) or num_seqs < 1:
+        raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
+    if num_tokens and (int(seq_ids_N.min()) < 0 or int(seq_ids_N.max()) >= num_seqs):
+        raise ValueError(
+            f"seq_ids must lie in [0, num_seqs={num_seqs}), got range [{int(seq_ids_N.min())}, {int(seq_ids_N.max())}]"
+        )
+    if config.is_cap is not None and behavior_logprobs_N is None:
+        raise ValueError("behavior_logprobs is required when config.is_cap is set (set is_cap=None to disable the IS weight)")
+    if config.kl_coef > 0 and ref_logprobs_N is None:
+        raise ValueError("config.kl_coef > 0 needs ref_logprobs")
+    if config.entropy_coef > 0 and entropy_N is None:
+        raise ValueError("config.entropy_coef > 0 needs entropy (linear_logprob(..., return_entropy=True))")
