@@ -1,1 +1,18 @@
-"""agentrl.engine"""
+"""agentrl.engine: the actor side. Episodes, the environment, tools, tasks, the orchestrator, and the wiring
+that `agentrl train`, `eval` and `rollout` share.
+
+    env.py           ToolEnv: the agent MDP (parse actions, call tools, observations, rewards, termination)
+    episode.py       run_episode (one episode's loop), gold trajectories for SFT
+    chat.py          ChatML as token ids, the system prompt; parsers.py tool-call formats
+    tools.py         Tool / ToolResult, FunctionTool, RemoteTool (a ZeroMQ tool service's tools)
+    rewards.py       process reward term names and raw values (weighting is the learner's)
+    tasks.py         the synthetic multi-hop world, HotpotQA / 2Wiki / MuSiQue readers; metrics.py EM / F1
+    tasksets.py      the task loader registry: train stream, held-out set, corpus
+    orchestrator.py  thousands of concurrent episodes, GRPO groups, staleness bound, backpressure
+    pool.py          balancing over vLLM servers with failover; serve.py starts a vLLM server
+    services.py      start the services a run needs, connect to them (Connections)
+    evaluation.py    held-out evaluation, Naive RAG; actor.py the `agentrl actor` process
+
+Import rule: imports agentrl.common and agentrl.toolservers (clients, the service launcher);
+never agentrl.learner, agentrl.kernels or the applications at the package root.
+"""

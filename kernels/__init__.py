@@ -6,6 +6,8 @@ Public entry points (each picks the Triton kernels on CUDA and the torch path el
   num_seqs, config, ref_logprobs=None, entropy=None)` with `PolicyLossConfig`
 
 The Triton modules are imported only when a CUDA tensor (or a test) asks for them.
+
+Import rule: imports only agentrl.common (the config decorator of `PolicyLossConfig`).
 """
 
 from agentrl.kernels.linear_logprob import linear_logprob, linear_logprob_with_backend

@@ -11,9 +11,11 @@ Shape legend: N tokens (packed sequences), S sequences (`num_seqs`). The math is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from agentrl.common.config import config_dataclass
 
 # Both clamps keep exp() finite in float32 (and bf16): exp(20) = 4.9e8, while exp(x) overflows float32
 # from x = 88.7. verl clamps its policy ratio's and its k3 KL's log-ratio at the same +-20.
@@ -29,7 +31,7 @@ side) and the gradient is zero, as autograd of torch.clamp gives. The estimate i
 where the policy has moved furthest below the reference."""
 
 
-@dataclass
+@config_dataclass
 class PolicyLossConfig:
     eps_low: float = 0.2
     """Lower clip: the ratio is clipped at 1 - eps_low (dimensionless, in [0, 1))."""
@@ -45,10 +47,10 @@ class PolicyLossConfig:
     is_cap: float | None = 2.0
     """Truncation of the decoupled importance weight pi_prox / pi_behavior (TIS), dimensionless,
     > 0 (math.inf keeps the untruncated weight). None disables the weight (w = 1)."""
-    ratio_level: str = "token"
+    ratio_level: Literal["token", "sequence"] = "token"
     """"token" (PPO/GRPO) or "sequence" (GSPO: geometric mean of the ratio over a sequence's masked
     tokens)."""
-    agg: str = "token_mean"
+    agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
     """"token_mean" (DAPO), "seq_mean" (mean per sequence, then over sequences) or "constant"
     (Dr. GRPO: sum / constant_normaliser)."""
     constant_normaliser: float | None = None

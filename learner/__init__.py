@@ -1,9 +1,15 @@
 """agentrl.learner: consumes trajectory groups, trains the policy, publishes weights and versions.
 
-Modules: `advantages` (estimators, reward weights, dynamic sampling), `batching` (packing, the packed
-policy forward with the fused log-prob kernel), `trainer` (decoupled-PPO and SFT optimizer steps),
-`ledger` (spool, consumption ledger, atomic checkpoints: exactly-once across kill -9), `publish`
-(weight snapshots pushed to vLLM in the background), `metrics` (JSONL, TensorBoard, progress bar),
-`service` (the `agentrl learner --config FILE` process and its `LearnerConfig`), `distributed`
-(FSDP2 data parallel), `synthetic` (valid trajectories and a tiny model for tests and benchmarks).
+    service.py       the `agentrl learner` process: wiring and the step loop; config.py its LearnerConfig
+    intake.py        receiver + spool + ledger (exactly-once consumption; ledger.py)
+    prepare.py       batch preparation (staleness, filtering, advantages): a pure function
+    ranks.py         build / restore / step / snapshot / checkpoint state, in one process or as rank 0
+                     under torchrun (distributed.py: FSDP2, the rank command channel)
+    rewards.py       reward weighting and the schedule; advantages.py the estimators
+    batching.py      packing and the packed policy forward; trainer.py the optimizer steps
+    checkpoint.py    atomic checkpoint I/O; publish.py background weight pushes; metrics.py JSONL + TensorBoard
+
+Import rule: imports agentrl.common (trajectory, transport, inference client, weight push, config)
+and agentrl.kernels; never agentrl.engine (the orchestrator's package), agentrl.toolservers or the
+applications at the package root.
 """

@@ -1,7 +1,7 @@
 """The layout's import rules (docs/ARCHITECTURE.md), checked on the source: every `import` and
 `from ... import` in every module, lazy ones inside functions included.
 
-- agentrl.common imports no other agentrl package; agentrl.kernels none either;
+- agentrl.common imports no other agentrl package; agentrl.kernels only common (its config system);
 - agentrl.toolservers imports only agentrl.common; agentrl.learner only common and kernels (never
   the orchestrator's package); agentrl.engine only common and toolservers;
 - no component imports the applications at the package root (agentrl.train, agentrl.cli, ...);
@@ -21,7 +21,7 @@ FOLDERS = {"agentrl": ROOT / "agentrl", "agentrl.engine": ROOT / "engine", "agen
 COMPONENTS = ("agentrl.common", "agentrl.engine", "agentrl.learner", "agentrl.kernels", "agentrl.toolservers")
 ALLOWED = {
     "agentrl.common": set(),
-    "agentrl.kernels": set(),
+    "agentrl.kernels": {"agentrl.common"},
     "agentrl.toolservers": {"agentrl.common"},
     "agentrl.learner": {"agentrl.common", "agentrl.kernels"},
     "agentrl.engine": {"agentrl.common", "agentrl.toolservers"},

@@ -9,4 +9,7 @@
     sandbox_zygote.py  the program that runs inside each sandbox (never imported)
     process.py         start_toolserver(): run a service as a subprocess, wait for READY, stop by PID
     cli.py             `agentrl toolserver NAME ...`, `agentrl tool call|describe ...`
+
+Import rule: imports only agentrl.common (child processes); never the engine, the learner or
+the supervisor. Tool services run standalone on any host.
 """
