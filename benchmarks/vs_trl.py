@@ -254,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     config = comparison_config(args.minutes, args.config, extra)
     info = machine_info()
 
-    from agentrl.common.config import dump_toml, to_dict
+    from agentrl.common.config import dump_toml
+    from agentrl.runconfig import config_data
 
     config_path = out / "agentrl_config.toml"
-    config_path.write_text(dump_toml(to_dict(config)))
+    config_path.write_text(dump_toml(config_data(config)))
     # Enough questions for a TRL run at 10x the expected step rate; they are cycled from the pools anyway.
     num_train = max(200, int(args.minutes * 60) * args.prompts_per_step)
     job = export_job(config, out / "data", args.prompts_per_step, num_train)

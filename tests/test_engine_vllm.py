@@ -115,7 +115,7 @@ async def test_orchestrator_groups_and_cli_eval(vllm_server, tokenizer, search_s
 
     # `agentrl eval` end to end: its own search service, the shared vLLM server, JSON last line.
     proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-P", "-m", "agentrl.cli", "eval", "--servers", vllm_server.base_url, "--limit", "2"],
+        subprocess.run, [sys.executable, "-P", "-m", "agentrl.cli", "eval", "--vllm", vllm_server.base_url, "--limit", "2"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

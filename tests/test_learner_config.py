@@ -56,7 +56,7 @@ def test_full_config_parses_into_typed_dataclasses(tmp_path):
     ('output_dir = "x"\npublish_every = 0\n[trainer.advantage]\nestimator = "ppo"',
      r"trainer.advantage.estimator: Input should be 'grpo', 'dr_grpo'.* \(got \"ppo\"\)"),
     ('output_dir = "x"\ntokens_per_step = "8192"', r"tokens_per_step: Input should be a valid integer \(got \"8192\"\)"),
-    ('output_dir = "x"\ntokens_per_step = 0', "tokens_per_step=0 must be > 0"),
+    ('output_dir = "x"\ntokens_per_step = 0', "bad.toml: tokens_per_step: 0 must be > 0"),
 ])
 def test_bad_config_fails_early_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.toml"

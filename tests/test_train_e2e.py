@@ -24,9 +24,9 @@ import pytest
 from agentrl.learner.checkpoint import load_latest_checkpoint
 
 CONFIG = """
-minutes = 6.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation
+minutes = 7.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation
 [tasks.options]
-heldout_num = 8
+heldout_num = 6
 heldout_hops = [1]
 num_train = 64
 [[tasks.options.curriculum]]
@@ -37,6 +37,7 @@ search_replicas = 2
 [env]
 max_turns = 2
 max_action_tokens = 48
+max_total_tokens = 2048
 [orchestrator]
 group_size = 4
 max_concurrent_episodes = 16
@@ -143,3 +144,12 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     # The servers serve what the learner trained (a version of the RL lineage).
     evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
     assert evals[-1]["label"] == "final" and evals[-1]["served_version"] > 2
+
+    # The run's end exported the policy; evaluated alone (a fresh server, the run's config from the
+    # folder), it scores what the run's final evaluation did.
+    assert summary["hf"] == str(out / "hf") and (out / "hf" / "model.safetensors").is_file()
+    eval_proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "eval", "--model", str(out / "hf"), "--no-baselines"],
+                               capture_output=True, text=True, timeout=900)
+    assert eval_proc.returncode == 0, eval_proc.stderr[-3000:]
+    exported = json.loads(eval_proc.stdout.strip().splitlines()[-1])
+    assert exported["n"] == evals[-1]["n"] and exported["em"] == evals[-1]["em"], (exported, evals[-1])

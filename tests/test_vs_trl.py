@@ -147,12 +147,12 @@ def test_cli_rejects_bad_budgets():
 
 def test_agentrl_side_config_round_trips_through_the_train_cli_loader(tmp_path):
     """vs_trl.py hands `agentrl train --config` the job it exports to the TRL side."""
-    from agentrl.common.config import dump_toml, to_dict
-    from agentrl.runconfig import load_run_config
+    from agentrl.common.config import dump_toml
+    from agentrl.runconfig import config_data, load_run_config
 
     config = vs_trl.comparison_config(2.5)
     path = tmp_path / "agentrl_config.toml"
-    path.write_text(dump_toml(to_dict(config)))
+    path.write_text(dump_toml(config_data(config)))
     loaded = load_run_config(path).config
     assert loaded.services.tools == ["search"]
     assert loaded.minutes == 2.5 and loaded.eval.every_s >= 1e9 and not loaded.eval.naive_rag
