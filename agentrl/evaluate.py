@@ -62,15 +62,17 @@ def _resolve(args):
 
 async def _with_services(config, workdir: Path, body):
     from agentrl.common.model import resolve_model
+    from agentrl.engine.environments import env_class
     from agentrl.engine.services import Connections, start_services
     from agentrl.engine.tasksets import load_taskset
 
     taskset = load_taskset(config.tasks, workdir / "tasks")
     model_dir = str(resolve_model(config.model_dir or None))
-    services = await start_services(config.services, model_dir=model_dir, corpus=taskset.corpus, logs=workdir / "logs",
+    services = await start_services(config.services, tools=config.tools, env_required=env_class(config.env).required_tools,
+                                    model_dir=model_dir, corpus=taskset.corpus, logs=workdir / "logs",
                                     say=lambda line: print(line, file=sys.stderr, flush=True))
     try:
-        async with Connections(services.vllm_urls, services.tool_endpoints, model_dir, config.env) as conn:
+        async with Connections(services.vllm_urls, services.remote, model_dir, config.env, services.local) as conn:
             return await body(conn, taskset, model_dir)
     finally:
         await asyncio.to_thread(services.stop)
@@ -91,7 +93,7 @@ def eval_main(argv: list[str]) -> int:
 
 async def _eval(config, args) -> int:
     from agentrl.common.model import default_model_dir
-    from agentrl.engine.evaluation import GREEDY, run_naive_rag, run_tasks, summarize
+    from agentrl.engine.evaluation import GREEDY, evaluate_baselines, run_tasks, summarize
     from agentrl.engine.orchestrator import OrchestratorConfig
 
     start = time.perf_counter()
@@ -102,17 +104,16 @@ async def _eval(config, args) -> int:
             group_size=1, max_concurrent_episodes=256,
             sampling=dataclasses.replace(config.orchestrator.sampling, temperature=args.temperature))
         trajectories = await run_tasks(conn.env, conn.pool, tasks, orch, run_id="eval")
-        policy = summarize("policy", tasks, trajectories)
-        print(f"policy with tools: em={policy['em']:.3f} f1={policy['f1']:.3f} n={policy['n']} "
+        policy = summarize("policy", conn.env, tasks, trajectories)
+        print(f"policy with tools: {policy['score_metric']}={policy['score']:.3f} n={policy['n']} "
               f"failed={policy['num_failed']} valid_call_rate={policy['valid_call_rate']:.2f}", file=sys.stderr)
         report = {k: v for k, v in policy.items() if k not in ("label", "time")}
         if not args.no_baselines:
             if Path(model_dir).resolve() == default_model_dir().resolve():  # the untrained model with tools *is* Base Tool Call
-                report.update({f"base_tool_call_{k}": policy[k] for k in ("em", "f1", "n")})
-            if any(t.name == "search" for t in conn.tools):
-                rag, _ = await run_naive_rag(conn, tasks)
-                print(f"Naive RAG: em={rag['em']:.3f} f1={rag['f1']:.3f} n={rag['n']}", file=sys.stderr)
-                report.update({f"naive_rag_{k}": rag[k] for k in ("em", "f1", "n", "num_failed")})
+                report.update({"base_tool_call_score": policy["score"], "base_tool_call_n": policy["n"]})
+            for name, (baseline, _) in (await evaluate_baselines(conn, tasks)).items():
+                print(f"{name}: {baseline['score_metric']}={baseline['score']:.3f} n={baseline['n']}", file=sys.stderr)
+                report.update({f"{name}_{k}": baseline[k] for k in ("score", "n", "num_failed", *(("em", "f1") if "em" in baseline else ()))})
         report.update(model=model_dir, loader=config.tasks.loader,
                       temperature=0.0 if args.temperature is None else args.temperature)
         return report
@@ -174,7 +175,7 @@ async def _rollout(config, args) -> int:
                 out.flush()
 
             trajectories = await run_tasks(conn.env, conn.pool, tasks, orch, run_id="rollout", sink=write)
-        return summarize("rollout", tasks, trajectories)
+        return summarize("rollout", conn.env, tasks, trajectories)
 
     with tempfile.TemporaryDirectory(prefix="agentrl-rollout-") as workdir:
         report = await _with_services(config, Path(workdir), body)

@@ -96,11 +96,14 @@ class Progress:
         self.last_eval = summary
         step = int(summary.get("served_version", 0))
         scalars = {f"heldout/{k}": v for k, v in summary.items()
-                   if k in ("em", "f1", "valid_call_rate", "mean_turns") or k.startswith("em_")}
+                   if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("time", "served_version", "n")}
+        for key in (k for k in summary if k.startswith("by_")):
+            for value, cell in summary[key].items():
+                scalars[f"heldout/score_{key.removeprefix('by_')}_{value}"] = cell["score"]
         scalars["heldout/eval_s"] = summary.get("eval_s", 0.0)
         if self._tb is not None:
             for key, value in scalars.items():
-                self._tb.add_scalar(f"{key}/{summary['label']}" if summary["label"] in ("base_tool_call", "naive_rag") else key,
+                self._tb.add_scalar(key if summary["label"] in ("sft", "rl", "final") else f"{key}/{summary['label']}",
                                     float(value), step)
             self._tb.flush()
         if self._wandb is not None:
@@ -127,7 +130,8 @@ class Progress:
             parts.append(f"task reward {reward:.2f}" + (f", {calls:.1f} calls/episode" if calls is not None else "")
                          + f" (last {len(recent)} steps)")
         if self.last_eval is not None:
-            parts.append(f"held-out EM {self.last_eval['em']:.3f} ({self.last_eval['label']})")
+            e = self.last_eval
+            parts.append(f"held-out {e.get('score_metric', 'score')} {e['score']:.3f} ({e['label']})")
         if self.deadline is not None:
             parts.append(f"{max(self.deadline - time.monotonic(), 0) / 60:.1f} min left")
         return " | ".join(parts)

@@ -38,9 +38,9 @@ def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: 
 
 
 def eval_records(run: Path, label: str, summary: dict) -> dict[str, float]:
-    """task id -> EM of the evaluation `label` whose summary is `summary` (written by the supervisor)."""
+    """task id -> score of the evaluation `label` whose summary is `summary` (written by the supervisor)."""
     path = run / "evals" / f"{label}-v{summary.get('served_version')}.jsonl"
-    return {r["task_id"]: r["em"] for r in read_jsonl(path)}
+    return {r["task_id"]: r["score"] for r in read_jsonl(path)}
 
 
 def paired_comparison(before: dict[str, float], after: dict[str, float]) -> dict | None:
@@ -69,12 +69,19 @@ def write_report(run_dir: str | Path) -> Path:
     images: list[tuple[str, str | None]] = []
 
     t0 = min((e["time"] for e in evals), default=0.0)
-    tracked = [e for e in evals if e["label"] != "naive_rag"]
-    images.append(("Held-out exact match over time", _plot(
-        plots / "heldout_em.png", "Held-out EM (greedy)",
-        {"EM": ([(e["time"] - t0) / 60 for e in tracked], [e["em"] for e in tracked]),
-         "F1": ([(e["time"] - t0) / 60 for e in tracked], [e["f1"] for e in tracked])},
-        "minutes since the first evaluation")))
+    baselines = set(phases.get("baseline", {}).get("baselines", {}))
+    tracked = [e for e in evals if e["label"] not in baselines]
+    metric = phases.get("final", {}).get("score_metric") or (tracked[0].get("score_metric", "score") if tracked else "score")
+    curves = {metric: ([(e["time"] - t0) / 60 for e in tracked], [e["score"] for e in tracked])}
+    if tracked and "f1" in tracked[0]:
+        curves["f1"] = ([(e["time"] - t0) / 60 for e in tracked], [e["f1"] for e in tracked])
+    for key in sorted({k for e in tracked for k in e if k.startswith("by_")}):
+        for value in sorted({v for e in tracked for v in e.get(key, {})}):
+            sel = [e for e in tracked if value in e.get(key, {})]
+            curves[f"{metric} {key.removeprefix('by_')}={value}"] = ([(e["time"] - t0) / 60 for e in sel],
+                                                                     [e[key][value]["score"] for e in sel])
+    images.append((f"Held-out {metric} over time", _plot(
+        plots / "heldout_score.png", f"Held-out {metric} (greedy)", curves, "minutes since the first evaluation")))
 
     reward_keys = sorted({k for r in rl for k in r if k.startswith("reward/") and not k.startswith("reward/weight")})
     images.append(("Reward terms (RL, per optimizer step; raw means per episode)", _plot(
@@ -106,17 +113,29 @@ def write_report(run_dir: str | Path) -> Path:
 
     lines = ["# Training report", "", f"Run directory: `{run}`", ""]
     base = phases.get("baseline", {})
-    rows = [("Base Tool Call (untrained, with tools)", base.get("base_tool_call")), ("Naive RAG", base.get("naive_rag")),
-            ("After SFT cold start", phases.get("sft")), ("After RL (final)", phases.get("final"))]
-    lines += ["## Held-out results", "", "| policy | EM | F1 | n |", "| --- | --- | --- | --- |"]
+    sft_phase = phases.get("sft") if "score" in phases.get("sft", {}) else None
+    rows = [("Base Tool Call (untrained, with tools)", base.get("base_tool_call")),
+            *((name, summary) for name, summary in base.get("baselines", {}).items()),
+            ("After SFT cold start", sft_phase), ("After RL (final)", phases.get("final"))]
+    extra = [k for k in ("f1",) if any(r and k in r for _, r in rows)]
+    by_keys = sorted({k for _, r in rows if r for k in r if k.startswith("by_")})
+    header = [metric, *extra, *(f"{metric} {k.removeprefix('by_')}={v}" for k in by_keys
+                                for v in sorted({v for _, r in rows if r for v in r.get(k, {})}))]
+    lines += ["## Held-out results", "", "| policy | " + " | ".join(header) + " | calls/episode | n |",
+              "| --- " * (len(header) + 3) + "|"]
     for name, r in rows:
         if r:
-            lines.append(f"| {name} | {r['em']:.3f} | {r['f1']:.3f} | {r['n']} |")
+            cells = [f"{r['score']:.3f}", *(f"{r[k]:.3f}" for k in extra)]
+            for k in by_keys:
+                for v in sorted({v for _, r2 in rows if r2 for v in r2.get(k, {})}):
+                    cell = r.get(k, {}).get(v)
+                    cells.append(f"{cell['score']:.3f} (n={cell['n']})" if cell else "")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {r.get('calls_per_episode', 0.0):.2f} | {r['n']} |")
     if base.get("base_tool_call") and phases.get("final"):
-        lines += ["", f"EM gain over Base Tool Call: **{phases['final']['em'] - base['base_tool_call']['em']:+.3f}**"]
-    if phases.get("sft") and phases.get("final"):
-        lines.append(f"EM gain of the RL phase over the SFT-only checkpoint: **{phases['final']['em'] - phases['sft']['em']:+.3f}**")
-        paired = paired_comparison(eval_records(run, "sft", phases["sft"]), eval_records(run, "final", phases["final"]))
+        lines += ["", f"{metric} gain over Base Tool Call: **{phases['final']['score'] - base['base_tool_call']['score']:+.3f}**"]
+    if sft_phase and phases.get("final"):
+        lines.append(f"{metric} gain of the RL phase over the SFT-only checkpoint: **{phases['final']['score'] - sft_phase['score']:+.3f}**")
+        paired = paired_comparison(eval_records(run, "sft", sft_phase), eval_records(run, "final", phases["final"]))
         if paired:
             lines.append(f"Question by question (same {paired['n']} held-out questions): RL right where SFT was wrong "
                          f"{paired['gained']}, SFT right where RL is wrong {paired['lost']}; exact two-sided sign test "

@@ -36,8 +36,9 @@ from agentrl.common.config import (
     to_dict,
 )
 from agentrl.engine.env import EnvConfig
+from agentrl.engine.environments import env_class, env_options
 from agentrl.engine.orchestrator import OrchestratorConfig
-from agentrl.engine.services import ServicesConfig
+from agentrl.engine.services import ServicesConfig, ToolSource, builtin_tools, check_tool_sources
 from agentrl.engine.tasksets import TasksConfig, loader_options
 from agentrl.learner.config import LearnerConfig
 
@@ -51,11 +52,14 @@ SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "gr
 @config_dataclass
 class SFTConfig:
     enabled: bool = True
-    """Run the cold start (skipped, with a log line, when the task set offers no demonstrations)."""
+    """Run the cold start: on `demonstrations` when given, else on the environment's own
+    demonstrations of training tasks; skipped, with a log line, when there are neither."""
+    demonstrations: str = ""
+    """JSONL of demonstrations, one per line: {"task": {task}, "messages": [chat messages]}; the
+    assistant messages (tool calls in the environment's format, or OpenAI `tool_calls`) are
+    replayed through the environment and its real tools (engine/demonstrations.py)."""
     num_examples: int = 256
-    """Gold trajectories generated from training tasks (cycled until `steps` are done)."""
-    hops: list[int] = field(default_factory=lambda: [1, 2])
-    """Hop counts of the gold trajectories (synthetic tasks)."""
+    """Demonstrations built from training tasks (cycled until `steps` are done)."""
     steps: int = 12
     """Optimizer steps of the cold start."""
     learner: dict[str, Any] = field(default_factory=dict)
@@ -70,8 +74,8 @@ class SFTConfig:
 class EvalConfig:
     every_s: float = 300.0
     """Held-out evaluation interval during RL, seconds of wall-clock."""
-    naive_rag: bool = True
-    """Also evaluate the Naive RAG baseline once, before training (needs the search tool)."""
+    baselines: bool = True
+    """Also evaluate the environment's baselines once, before training (QA: Naive RAG)."""
     in_budget: bool = True
     """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
     (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares
@@ -112,6 +116,8 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """The RL learner; the supervisor fills in its output_dir, endpoints and servers."""
+    tools: list[ToolSource] = field(default_factory=list)
+    """[[tools]]: tools added to those the environment requires (engine/services.py)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -198,13 +204,20 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
     if config.learner.trainer.max_row_tokens < config.env.max_total_tokens:
         problems.append(f"{at('learner', 'trainer', 'max_row_tokens')}: {config.learner.trainer.max_row_tokens} cannot "
                         f"hold the longest episode (env.max_total_tokens = {config.env.max_total_tokens}); raise it")
-    if not config.services.tool_endpoints and "search" not in config.services.tools:
-        if config.tasks.loader in ("synthetic", "datasets"):
-            problems.append(f"{at('services', 'tools')}: the {config.tasks.loader!r} tasks need the 'search' tool; add it")
-    try:
-        loader_options(config.tasks, origins=origins, source=source)
-    except (ConfigError, ValueError) as err:
-        problems.append(str(err))
+    # The plug-ins import and their options validate (a ConfigError from `build` names its source
+    # already; one that starts with a key path gets the source of that key).
+    checks = [(("tasks", "loader"), lambda: loader_options(config.tasks, origins=origins, source=source)),
+              (("env", "class"), lambda: env_options(config.env, origins=origins, source=source)),
+              (("env", "class"), lambda: builtin_tools(env_class(config.env).required_tools, config.services, config.tools)),
+              (("tools",), lambda: check_tool_sources(config.tools))]
+    for key, check in checks:
+        try:
+            check()
+        except ConfigError as err:
+            text = str(err)
+            problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools")) else text)
+    if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
+        problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:
         raise ConfigError("\n".join(problems))
 

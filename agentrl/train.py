@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import shutil
 import signal
 import sys
 import time
@@ -42,8 +43,10 @@ from pathlib import Path
 from agentrl.common.config import ConfigError, dump_toml, layer, to_dict
 from agentrl.common.files import read_jsonl, write_atomic
 from agentrl.common.procs import ChildProcess
-from agentrl.engine.evaluation import evaluate, run_naive_rag
+from agentrl.engine.environments import env_class
+from agentrl.engine.evaluation import evaluate, evaluate_baselines
 from agentrl.engine.services import Connections, Services, start_services
+from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
 from agentrl.progress import Progress
 from agentrl.runconfig import DEFAULT_CONFIG, TrainConfig, config_data, load_run_config, schema_text
@@ -104,30 +107,36 @@ class Supervisor:
         self.evals.append(summary)
         with open(self.out / "evals.jsonl", "a") as f:
             f.write(json.dumps(summary) + "\n")
-        if trajectories is not None:  # per question, so the report can pair two evaluations question by question
+        if trajectories is not None:  # per task, so the report can pair two evaluations task by task
             folder = self.out / "evals"
             folder.mkdir(exist_ok=True)
             name = f"{summary['label']}-v{summary['served_version']}.jsonl"
+            metric = summary["score_metric"]
             with open(folder / name, "w") as f:
                 for t in sorted(trajectories, key=lambda t: t.task_id):
-                    f.write(json.dumps({"task_id": t.task_id, "em": t.metrics.get("em", 0.0), "f1": t.metrics.get("f1", 0.0),
-                                        "status": t.status}) + "\n")
+                    f.write(json.dumps({"task_id": t.task_id, "score": t.metrics.get(metric, 0.0), "status": t.status,
+                                        **{k: v for k, v in t.metrics.items() if "/" not in k}}) + "\n")
         if self.progress is not None:
             self.progress.deadline = self.deadline
             self.progress.log_eval(summary)
-        self.say(f"[eval {summary['label']}] EM {summary['em']:.3f}  F1 {summary['f1']:.3f}  n={summary['n']} "
+        extra = f"  F1 {summary['f1']:.3f}" if "f1" in summary else ""
+        self.say(f"[eval {summary['label']}] {summary['score_metric']} {summary['score']:.3f}{extra}  n={summary['n']} "
                  f"(served version {summary['served_version']}, {summary['eval_s']:.0f} s)")
 
     # -- services
+    def prepare(self) -> None:
+        """Load the task set (a malformed task stops the run here, before any process starts)."""
+        self.taskset: TaskSet = load_taskset(self.config.tasks, self.out / "tasks")
+        self.heldout = self.taskset.heldout
+
     async def start_services(self) -> None:
         from agentrl.common.model import resolve_model
 
         cfg = self.config
         self.model_dir = str(resolve_model(cfg.model_dir or None))
-        self.taskset: TaskSet = load_taskset(cfg.tasks, self.out / "tasks")
-        self.heldout = self.taskset.heldout
-        self.services = await start_services(cfg.services, model_dir=self.model_dir, corpus=self.taskset.corpus,
-                                             logs=self.out / "logs", say=self.say)
+        self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
+                                             model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
+                                             say=self.say)
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -168,7 +177,8 @@ class Supervisor:
         await self.start_services()
         self.setup_s = time.monotonic() - t0
         self.deadline = time.monotonic() + cfg.minutes * 60
-        async with Connections(self.services.vllm_urls, self.services.tool_endpoints, self.model_dir, cfg.env) as conn:
+        async with Connections(self.services.vllm_urls, self.services.remote, self.model_dir, cfg.env,
+                               self.services.local) as conn:
             self.conn = conn
             self._write_prompt()
             if "baseline" not in self.phases:
@@ -176,11 +186,11 @@ class Supervisor:
                 summary, trajs = await evaluate(conn, self.heldout, "base_tool_call")
                 self._log_eval(summary, trajs)
                 _write_sample(self.out / "trajectories_base.jsonl", trajs[:8], conn.chat)
-                result = {"base_tool_call": summary}
-                if cfg.eval.naive_rag:
-                    rag, _ = await run_naive_rag(conn, self.heldout)
-                    self._log_eval(rag)
-                    result["naive_rag"] = rag
+                result = {"base_tool_call": summary, "baselines": {}}
+                if cfg.eval.baselines:
+                    for name, (baseline, _) in (await evaluate_baselines(conn, self.heldout)).items():
+                        self._log_eval(baseline)
+                        result["baselines"][name] = baseline
                 self._phase_done("baseline", result)
             if not cfg.eval.in_budget:
                 self.deadline = time.monotonic() + cfg.minutes * 60
@@ -201,23 +211,33 @@ class Supervisor:
         from agentrl.export import PROMPT_FILE
 
         env = self.conn.env
-        prompt = {"system_prompt": env.system_prompt, "example_messages": [list(m) for m in env.example_messages],
-                  "tools": [t.schema() for t in env.tools.values()], "user_prefix": "Question: "}
+        examples = env.example_messages() if env.config.worked_example else ()
+        prompt = {"system_prompt": env.system_prompt, "example_messages": [list(m) for m in examples],
+                  "tools": [t.schema() for t in env.tools.values()], "user_prefix": env.user_prefix}
         write_atomic(self.out / PROMPT_FILE, json.dumps(prompt, indent=1).encode())
 
     async def _sft_phase(self) -> None:
         from agentrl.common.trajectory import TrajectoryGroup
         from agentrl.common.transport import GroupSender
-        from agentrl.engine.episode import build_gold_trajectory
+        from agentrl.engine.demonstrations import read_demonstrations
+        from agentrl.engine.episode import build_demonstration
 
         cfg = self.config
-        if self.taskset.gold is None:
-            self.say(f"SFT cold start skipped: the {cfg.tasks.loader!r} task set offers no demonstrations")
+        env = self.conn.env
+        if cfg.sft.demonstrations:
+            gold = await read_demonstrations(env, cfg.sft.demonstrations)
+            source = cfg.sft.demonstrations
+        else:
+            gold = [g for t in self.taskset.demonstration_tasks(cfg.sft.num_examples)
+                    if (g := await build_demonstration(env, t)) is not None]
+            source = f"{type(env).__name__}.demonstration"
+        if not gold:
+            self.say(f"SFT cold start skipped: no demonstrations (no [sft] demonstrations file, and "
+                     f"{type(env).__name__}.demonstration gives none for these tasks)")
             self._phase_done("sft", {"skipped": "no demonstrations"})
             return
         self._phase("sft")
-        tasks = self.taskset.gold(cfg.sft.num_examples, 100, cfg.sft.hops)
-        gold = [await build_gold_trajectory(self.conn.env, t, group_id=f"gold-{t.task_id}") for t in tasks]
+        self.say(f"SFT cold start on {len(gold)} demonstrations from {source}")
         overrides = layer(cfg.sft.learner, {"max_steps": cfg.sft.steps, "publish_every": cfg.sft.steps,
                                             "checkpoint_every": cfg.sft.steps})
         config_path, data = self._learner_config("sft", overrides)
@@ -257,7 +277,8 @@ class Supervisor:
         config_path, data = self._learner_config("rl", overrides)
         actor_cfg = {
             "vllm": self.services.vllm_urls,
-            "tool_endpoints": self.services.tool_endpoints,
+            "remote_tools": to_dict(self.services.remote),
+            "local_tools": to_dict(self.services.local),
             "model_dir": self.model_dir,
             "group_endpoint": data["group_endpoint"],
             "version_endpoint": data["version_endpoint"],
@@ -313,6 +334,11 @@ class Supervisor:
 # the evaluation summaries so that they can be tested without starting a run.
 
 
+CLEAN_EVALUATIONS = ("base_tool_call", "sft", "final")
+"""Evaluations of the policy with the server to itself (RL-phase ones share it with the actor;
+baselines such as Naive RAG run other, shorter episodes)."""
+
+
 def eval_extends_deadline_s(summary: dict, *, in_budget: bool) -> float:
     """Seconds an evaluation adds to the deadline. With evaluations outside the budget the
     before/after evaluations (sft, final) are added back; an RL-phase evaluation is not, because
@@ -330,7 +356,7 @@ def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
     an evaluation when none ran yet. 0 when evaluations are outside the budget."""
     if not in_budget:
         return 0.0
-    durations = [e["eval_s"] for e in evals if e.get("label") not in ("naive_rag", "rl") and "eval_s" in e]
+    durations = [e["eval_s"] for e in evals if e.get("label") in CLEAN_EVALUATIONS and "eval_s" in e]
     return 1.25 * (durations[-1] if durations else 120.0) + 30.0
 
 
@@ -392,6 +418,7 @@ def main(argv: list[str]) -> int:
         print(dump_toml(config_data(resolved.config)), end="")
         return 0
     config = resolved.config
+    fresh = not args.resume and not Path(args.out or "/nonexistent").exists()
     if args.resume:
         out = Path(args.resume)
     else:
@@ -403,13 +430,19 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(dump_toml(config_data(config)))
-
     try:
         supervisor = Supervisor(config, out, resume=bool(args.resume))
     except ValueError as err:
         print(f"agentrl train: cannot resume: {err}", file=sys.stderr)
         return 2
+    try:
+        supervisor.prepare()
+    except (ConfigError, TaskError, FileNotFoundError) as err:
+        print(f"agentrl train: bad tasks:\n{err}", file=sys.stderr)
+        if fresh:
+            shutil.rmtree(out)  # created just now and holding nothing of value
+        return 2
+    (out / "config.toml").write_text(dump_toml(config_data(config)))
     t0 = time.time()
 
     def on_signal(signum, _frame):
@@ -427,6 +460,9 @@ def main(argv: list[str]) -> int:
 
     try:
         phases = asyncio.run(run())
+    except ConfigError as err:  # a tool service of the config that could not start
+        print(f"agentrl train: {err}\n(logs: {out / 'logs'})", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted: stopping every process this run started", file=sys.stderr)
         supervisor.stop_all()
@@ -450,14 +486,10 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
     rl_metrics = _last_metrics(out / "rl" / "metrics.jsonl")
     sft = phases.get("sft", {})
     summary = {
-        "em_before": round(base["em"], 4),
-        "em_sft": round(sft["em"], 4) if "em" in sft else None,
-        "em_after": round(final["em"], 4),
-        "f1_before": round(base["f1"], 4),
-        "f1_after": round(final["f1"], 4),
-        "em_naive_rag": round(phases["baseline"]["naive_rag"]["em"], 4) if "naive_rag" in phases["baseline"] else None,
-        "score_before": round(base["em"], 4),
-        "score_after": round(final["em"], 4),
+        "score_metric": final["score_metric"],
+        "score_before": round(base["score"], 4),
+        "score_sft": round(sft["score"], 4) if "score" in sft else None,
+        "score_after": round(final["score"], 4),
         "episodes": _actor_episodes(out / "actor" / "stats.jsonl"),
         "optimizer_steps": rl_metrics.get("step", 0),
         "learner_restarts": phases.get("rl", {}).get("learner_restarts", 0),
@@ -467,7 +499,16 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         "hf": str(hf),
         "out": str(out),
     }
-    if "em" in sft:
+    if "em" in final:  # the QA job's own keys, kept beside the generic ones
+        rag = phases["baseline"].get("baselines", {}).get("naive_rag")
+        summary |= {"em_before": round(base["em"], 4), "em_sft": round(sft["em"], 4) if "em" in sft else None,
+                    "em_after": round(final["em"], 4), "f1_before": round(base["f1"], 4), "f1_after": round(final["f1"], 4),
+                    "em_naive_rag": round(rag["em"], 4) if rag else None}
+    for key in sorted(k for k in final if k.startswith("by_")):
+        for label, s in (("before", base), ("sft", sft), ("after", final)):
+            if key in s:
+                summary[f"{final['score_metric']}_{label}_{key}"] = {v: round(c["score"], 4) for v, c in s[key].items()}
+    if "score" in sft:
         paired = paired_comparison(eval_records(out, "sft", sft), eval_records(out, "final", final))
         if paired:
             summary |= {"rl_vs_sft_gained": paired["gained"], "rl_vs_sft_lost": paired["lost"],

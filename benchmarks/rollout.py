@@ -85,9 +85,10 @@ async def capacity(model_dir: str, num_prompts: int, group_size: int, num_runs: 
     from transformers import AutoTokenizer
 
     from agentrl.engine.chat import ChatFormat
-    from agentrl.engine.env import EnvConfig, ToolEnv
+    from agentrl.engine.env import EnvConfig
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
     from agentrl.engine.pool import ServerPool
+    from agentrl.engine.qa import MultiHopQAEnv
     from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import SEARCH_PARAMETERS, FunctionTool
 
@@ -105,7 +106,7 @@ async def capacity(model_dir: str, num_prompts: int, group_size: int, num_runs: 
             start = hash(query) % (len(passages) - 3)
             return passages[start:start + 3]
 
-        env = ToolEnv(ChatFormat(AutoTokenizer.from_pretrained(model_dir)), EnvConfig(max_turns=4))
+        env = MultiHopQAEnv(ChatFormat(AutoTokenizer.from_pretrained(model_dir)), EnvConfig(max_turns=4))
         env.register_tool(FunctionTool("search", "Search the knowledge base.", SEARCH_PARAMETERS, instant_search))
         config = OrchestratorConfig(group_size=group_size, max_concurrent_episodes=num_prompts * group_size, max_groups_in_flight=num_prompts)
 
@@ -356,11 +357,12 @@ async def async_vs_lockstep(pool, chat, world, tasks, env_config, sampling, conc
     before each mode."""
     from agentrl.engine.env import ToolEnv
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
+    from agentrl.engine.qa import MultiHopQAEnv
 
     base_url = pool.servers[0].client.base_url
 
     def env_with(median_s: float) -> ToolEnv:
-        env = ToolEnv(chat, env_config)
+        env = MultiHopQAEnv(chat, env_config)
         env.register_tool(LatencyTool(world.passages, median_s, 1.0, tool_seed))
         return env
 
@@ -419,9 +421,10 @@ async def on_vllm(model_dir: str, args) -> dict:
     from transformers import AutoTokenizer
 
     from agentrl.engine.chat import ChatFormat
-    from agentrl.engine.env import EnvConfig, ToolEnv
+    from agentrl.engine.env import EnvConfig
     from agentrl.engine.episode import SamplingConfig
     from agentrl.engine.pool import ServerPool
+    from agentrl.engine.qa import MultiHopQAEnv
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
     from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import SEARCH_PARAMETERS, FunctionTool
@@ -437,7 +440,7 @@ async def on_vllm(model_dir: str, args) -> dict:
         await asyncio.to_thread(server.start, 600.0)
     try:
         async with ServerPool([args.server or server.base_url]) as pool:
-            instant_env = ToolEnv(chat, env_config)
+            instant_env = MultiHopQAEnv(chat, env_config)
             passages = world.passages
             instant_env.register_tool(FunctionTool("search", "Search the knowledge base.", SEARCH_PARAMETERS,
                                                    lambda query, top_k=3: passages[hash(query) % (len(passages) - 3):][:3]))

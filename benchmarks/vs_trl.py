@@ -83,7 +83,7 @@ def ensure_trl_venv(log_path: Path) -> Path:
 # ---------------------------------------------------------------- the shared job
 
 
-COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.naive_rag=false", "eval.in_budget=false")
+COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.baselines=false", "eval.in_budget=false")
 """What the comparison changes on `agentrl train`'s config: only the search tool, no in-budget evaluation."""
 
 
@@ -104,8 +104,8 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     from agentrl.common.config import layer, to_dict
     from agentrl.common.model import resolve_model
     from agentrl.engine.chat import ChatFormat
-    from agentrl.engine.env import ToolEnv
-    from agentrl.engine.episode import build_gold_trajectory
+    from agentrl.engine.episode import build_demonstration
+    from agentrl.engine.qa import MultiHopQAEnv
     from agentrl.engine.tasks import load_passages
     from agentrl.engine.tasksets import load_taskset
     from agentrl.engine.tools import FunctionTool
@@ -133,17 +133,17 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     spec = SearchTool.spec
     search = Search(load_passages(taskset.corpus))
     search_tool = FunctionTool(spec.name, spec.description, spec.parameters, lambda query, top_k=3: search(query, top_k))
-    env = ToolEnv(ChatFormat(AutoTokenizer.from_pretrained(model_dir)), config.env)
+    env = MultiHopQAEnv(ChatFormat(AutoTokenizer.from_pretrained(model_dir)), config.env)
     env.register_tool(search_tool)
-    gold_tasks = taskset.gold(config.sft.num_examples, 100, config.sft.hops)
+    gold_tasks = taskset.demonstration_tasks(config.sft.num_examples)
 
     async def gold_all():
-        return [await build_gold_trajectory(env, t) for t in gold_tasks]
+        return [await build_demonstration(env, t) for t in gold_tasks]
 
     gold = asyncio.run(gold_all())
 
     def _task(t) -> dict:
-        return {"task_id": t.task_id, "question": t.question, "answers": list(t.answers), "num_hops": t.num_hops}
+        return {"task_id": t.task_id, "question": t.prompt, "answers": list(t.reference), "num_hops": t.metadata["num_hops"]}
 
     files = {"corpus": "corpus.jsonl", "train": "train.jsonl", "heldout": "heldout.jsonl", "gold": "gold.jsonl"}
     for name, rows in (("train", map(_task, train)), ("heldout", map(_task, heldout)),
@@ -167,7 +167,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
         "files": files,
         "prompt_prefix": [{"role": "system", "content": env.system_prompt}] + [
             {"role": role, "content": content.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
-             if role == "tool" else content} for role, content in env.example_messages],
+             if role == "tool" else content} for role, content in env.example_messages()],
         "env": {k: getattr(config.env, k) for k in ("max_turns", "max_total_tokens", "max_action_tokens", "min_action_tokens",
                                                    "max_calls_per_turn", "max_calls_per_episode")},
         "recipe": {

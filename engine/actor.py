@@ -28,7 +28,7 @@ from pathlib import Path
 from agentrl.common.config import ConfigError, build, config_dataclass, read_toml
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
-from agentrl.engine.services import Connections
+from agentrl.engine.services import Connections, RemoteService, ToolSource
 from agentrl.engine.tasksets import TasksConfig, load_taskset
 
 
@@ -36,15 +36,17 @@ from agentrl.engine.tasksets import TasksConfig, load_taskset
 class ActorConfig:
     vllm: list[str]
     """Base URLs of the vLLM servers."""
-    tool_endpoints: dict[str, list[str]]
-    """Service name -> replica endpoints."""
-    model_dir: str
+    remote_tools: list[RemoteService] = field(default_factory=list)
+    """The tool services to connect to."""
+    local_tools: list[ToolSource] = field(default_factory=list)
+    """In-process tools (functions, MCP servers) to build here."""
+    model_dir: str = ""
     """HF folder of the policy (its tokenizer renders the episodes)."""
-    group_endpoint: str
+    group_endpoint: str = ""
     """The learner's GroupReceiver."""
-    version_endpoint: str
+    version_endpoint: str = ""
     """The learner's VersionPublisher."""
-    out_dir: str
+    out_dir: str = ""
     """Where stats.jsonl and the task set's files go."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -62,7 +64,7 @@ async def run_actor(cfg: ActorConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     taskset = load_taskset(cfg.tasks, out / "tasks")
-    async with Connections(cfg.vllm, cfg.tool_endpoints, cfg.model_dir, cfg.env) as conn:
+    async with Connections(cfg.vllm, cfg.remote_tools, cfg.model_dir, cfg.env, cfg.local_tools) as conn:
         # The learner's queue is part of the staleness budget: every group waiting there is trained
         # at a later version than the one that sampled it. Bounding the unacknowledged groups to
         # the orchestrator's own in-flight bound keeps data at most ~2 x that many steps old.

@@ -1,4 +1,4 @@
-"""Chat formatting as token ids (ChatML, SmolLM2's format) and the agent's system prompt.
+"""Chat formatting as token ids (ChatML, SmolLM2's format) and the tool listing of a system prompt.
 
 ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message. The boundary pieces are built as
 ids once (`<|im_start|>` and `<|im_end|>` are single special ids in SmolLM2's vocabulary: 1 and 2)
@@ -84,25 +84,6 @@ def render(messages: Sequence[tuple[str, str, str]]) -> str:
 CLOSED = IM_END + "\n"
 
 
-SYSTEM_PROMPT_TEMPLATE = """You answer questions by searching a knowledge base. Call a tool with <tool_call>{{"name": "<tool name>", "arguments": {{...}}}}</tool_call>. Look up one fact per search. When you know the answer, reply <answer>short answer</answer>.
-<tools>
-{tools}
-</tools>"""
-
-# One worked example on made-up entities, given as real chat turns after the system message. Measured
-# on this machine with SmolLM2-135M-Instruct (vLLM, 4 questions x 4 samples, first turn, 60 tokens):
-# the same example written as text inside the system prompt gave 2/16 valid search calls at T=1.0,
-# 6/16 at T=0.7 and 0/4 greedy; as chat turns, 6/16, 12/16 and 4/4.
-EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
-    ("user", "Question: Which city was the founder of Brimbell Optics born in?"),
-    ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "founder of Brimbell Optics"}}</tool_call>'),
-    ("tool", "<tool_response>\n[1] Brimbell Optics: Brimbell Optics was founded by Oska Venn in 1987.\n</tool_response>"),
-    ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "Oska Venn born"}}</tool_call>'),
-    ("tool", "<tool_response>\n[1] Oska Venn: Oska Venn was born in Lorrowby.\n</tool_response>"),
-    ("assistant", "<answer>Lorrowby</answer>"),
-)
-
-
 def _signature(schema: dict) -> str:
     """`name(arg: type, opt?: type): description`: one short line per tool."""
     fn = schema["function"]
@@ -113,12 +94,12 @@ def _signature(schema: dict) -> str:
     return f"{fn['name']}({args}): {fn.get('description', '')}"
 
 
-def system_prompt(tool_schemas: Sequence[dict], tool_list: str = "json") -> str:
-    """The agent's system prompt: how to call tools and answer, then the tool list.
+def list_tools(tool_schemas: Sequence[dict], tool_list: str = "json") -> str:
+    """The tools of a system prompt, one per line.
 
     `tool_list` "json": each tool's whole schema as one-line JSON; "signature": one
     `name(arg: type, opt?: type): description` line per tool. With search, python and calculator the
-    whole system prompt is 441 tokens (SmolLM2's tokenizer) as "json" and 198 as "signature".
+    whole QA system prompt is 441 tokens (SmolLM2's tokenizer) as "json" and 198 as "signature".
     Arguments are validated against the full schema either way; the short form makes every sampled
     and every trained episode ~240 tokens shorter."""
     if tool_list == "json":
@@ -128,15 +109,4 @@ def system_prompt(tool_schemas: Sequence[dict], tool_list: str = "json") -> str:
         lines = [_signature(s) for s in tool_schemas]
     else:
         raise ValueError(f"tool_list={tool_list!r}: choose 'json' or 'signature'")
-    return SYSTEM_PROMPT_TEMPLATE.format(tools="\n".join(lines))
-
-
-NAIVE_RAG_SYSTEM_PROMPT = """Answer the question using the passages. Write only the answer, as <answer>short answer</answer>."""
-
-# The Naive RAG baseline gets the same kind of worked example as the agent (one exchange, made-up entities),
-# so that the comparison is between retrieval strategies, not between prompted and unprompted formats.
-NAIVE_RAG_EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
-    ("user", "Passages:\n[1] Oska Venn: Oska Venn was born in Lorrowby. Oska Venn worked as a chemist.\n"
-             "[2] Brimbell Optics: Brimbell Optics was founded by Oska Venn in 1987.\n\nQuestion: Which city was Oska Venn born in?"),
-    ("assistant", "<answer>Lorrowby</answer>"),
-)
+    return "\n".join(lines)

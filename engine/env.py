@@ -1,24 +1,46 @@
-"""ToolEnv: the agent MDP. It parses actions, calls tools, builds observations, rewards and termination.
+"""ToolEnv: the agent MDP. The public base class of every environment: it parses actions, calls tools,
+builds observations, rewards and termination, and asks its hooks what the task means.
+
+An environment is a subclass; the engine (orchestrator, episode loop, trajectory, learner) never
+looks inside a task. The hooks (override what you need; docs/ENVIRONMENTS.md has examples):
+
+    intro()                    the system prompt's instructions (how to call tools, how to finish)
+    system_prompt              intro + the registered tools, as JSON schemas or one-line signatures
+    example_messages()         worked-example turns after the system message (() for none)
+    first_messages(task)       the opening turns for a task (default: task.messages, or the user
+                               message `user_prefix + task.prompt`)
+    final_answer(parsed, ...)  what ends the episode with an answer (default: <answer>...</answer>;
+                               with `finish_tool`, also a call to that tool, whose arguments are
+                               the answer)
+    reward(task, episode)      -> Reward(task reward, metrics, named process terms): the only place
+                               that knows what success is
+    demonstration(task)        scripted actions that solve the task (SFT cold start), or None
+    baselines(tasks)           other environments to evaluate on the same tasks (e.g. Naive RAG)
+
+and class attributes: `Options` (the dataclass `[env.options]` is checked against),
+`required_tools` (built-in tool services it needs started), `score_metric` (the trajectory
+metric reported as the held-out score), `report_by` (metadata keys to break scores down by).
+
+The Tool / ToolEnv split (Agent-R1): a Tool says what happened (content, success, latency); the
+environment decides what it means. Rules the mechanics own (all in `EnvConfig`): max turns, max
+total tokens, per-turn generation budget, tool timeouts, per-turn and per-episode call limits,
+observation size, and the process terms of each call (`ProcessRewardConfig`). A malformed call
+(bad JSON, unknown tool, schema violation, truncated tag, unclosed answer) becomes a readable error
+inside the tool message plus a process penalty; it never raises. `ToolUnavailable` (infrastructure)
+fails the episode; so does any exception from a hook (episode.run_episode records its traceback).
 
 Lifecycle of one episode (driven by `episode.run_episode`):
-    state = env.reset(task)                       # ids: system + user + "<|im_start|>assistant\\n"
+    state = env.reset(task)                       # ids: system + examples + first messages + "<|im_start|>assistant\n"
     while not state.done:
-        gen = await generate(state.token_ids, env.sampling_params(state, ...))
+        gen = await generate(state.token_ids, ...)
         transition = await env.step(state, gen)   # appends action ids, then observation ids
     traj = state.to_trajectory(group_id, sample_index)
-
-Rules the env owns (all in `EnvConfig`): max turns, max total tokens, per-turn generation budget,
-tool timeouts, per-turn and per-episode call limits, observation size, and what each malformed call
-costs (`ProcessRewardConfig`). A malformed call (bad JSON, unknown tool, schema violation, truncated
-tag, unclosed answer) becomes a readable error inside the tool message plus a process penalty; it
-never raises. The only exception `step` lets through is `ToolUnavailable` (infrastructure: the
-runner marks the episode failed instead of penalising the policy).
 
 Token bookkeeping (the trajectory invariants): the action appended is a prefix of the ids the server
 returned, with their log-probs and versions unchanged. Generation stops on `<|im_end|>`; if the
 text goes on past the end of the action (after `</answer>`, or an imagined `<tool_response>` after
 the last `</tool_call>`) the ids are cut at the first token whose text reaches the cut point, and
-the turn is closed with `<|im_end|>\\n` as observation (non-action) ids. Observations are tokenized
+the turn is closed with `<|im_end|>\n` as observation (non-action) ids. Observations are tokenized
 once and appended. So `decode(state.token_ids) == render(state.messages)`.
 """
 
@@ -28,23 +50,27 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import numpy as np
+from pydantic import Field
 
 from agentrl.common.config import config_dataclass
 from agentrl.common.trajectory import Trajectory, Turn
 from agentrl.engine import rewards as R
-from agentrl.engine.chat import CLOSED, EXAMPLE_MESSAGES, IM_END, ChatFormat, system_prompt
-from agentrl.engine.metrics import exact_match, f1_score
-from agentrl.engine.parsers import HermesParser, ToolCall, ToolCallParser
-from agentrl.engine.tasks import QATask
+from agentrl.engine.chat import CLOSED, IM_END, ChatFormat, list_tools
+from agentrl.engine.parsers import HermesParser, ParsedAction, ToolCall, ToolCallParser
+from agentrl.engine.task import Task
 from agentrl.engine.tools import Tool, ToolResult
 
 
 @config_dataclass
 class EnvConfig:
+    env_class: str = Field(default="multihop_qa", alias="class")
+    """The environment: a built-in name (multihop_qa) or "package.module:Class" (a ToolEnv subclass)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The environment's own options ([env.options]), checked against its `Options` dataclass."""
     max_turns: int = 4
     """Policy turns per episode; the episode is truncated after the last one."""
     max_total_tokens: int = 4096
@@ -59,17 +85,18 @@ class EnvConfig:
     """Per call; a call past it is a failed result ("timed out"), not a crash."""
     max_observation_tokens: int = 512
     """Tool message content beyond this many tokens is cut (3 passages of the synthetic corpus: ~90)."""
-    task_metric: Literal["em", "f1"] = "em"
-    """Task reward: "em" (exact match in {0, 1}) or "f1"."""
     plain_text_is_answer: bool = False
     """Take an action without tags that ended with <|im_end|> as the final answer (Naive RAG)."""
+    finish_tool: str | None = None
+    """Also end the episode when the policy calls a tool of this name; its arguments object is the
+    answer (a structured answer). The environment declares its schema (`finish_parameters`)."""
     tool_list: Literal["json", "signature"] = "json"
     """How the system prompt lists the tools: "json" (whole schemas) or "signature" (one short line
     each); see chat.system_prompt."""
     worked_example: bool = True
-    """Put one worked example (chat.EXAMPLE_MESSAGES: ~200 tokens) between the system message and the
-    question. The untrained model needs it to call tools at all; a policy cold-started on gold
-    trajectories does not, and every episode is then 200 tokens shorter to sample and to train."""
+    """Put the environment's worked example (`example_messages()`; the QA one is ~200 tokens) between
+    the system message and the task. SmolLM2 needs it to call tools at all untrained; a policy
+    cold-started on demonstrations does not, and every episode is then that much shorter."""
     rewards: R.ProcessRewardConfig = field(default_factory=R.ProcessRewardConfig)
 
     def __post_init__(self) -> None:
@@ -78,8 +105,23 @@ class EnvConfig:
 
 
 @dataclass
+class CallRecord:
+    """One tool call of an episode, as the environment's `reward` sees it."""
+
+    turn: int
+    """Index of the turn that made it."""
+    name: str
+    arguments: dict
+    success: bool
+    content: Any = None
+    error: str | None = None
+    repeated: bool = False
+    """The same tool and arguments as an earlier call of the episode (answered from its cache)."""
+
+
+@dataclass
 class EpisodeState:
-    task: QATask
+    task: Task
     token_ids: list[int]
     is_action: list[int]
     logprobs: list[float]
@@ -91,9 +133,12 @@ class EpisodeState:
     done: bool = False
     status: str = "ok"
     error: str | None = None
-    answer: str | None = None
+    answer: Any = None
+    """The final answer (text, or a finish tool's arguments); None when the episode ended without one."""
     task_reward: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    calls: list[CallRecord] = field(default_factory=list)
+    """Every call that was run or answered from the cache, in order (rejected calls are not here)."""
     call_cache: dict[str, ToolResult] = field(default_factory=dict)
     tools_used: set[str] = field(default_factory=set)
     num_calls: int = 0
@@ -142,21 +187,99 @@ class Transition:
     done: bool
 
 
+@dataclass
+class Reward:
+    """What an environment's `reward` returns for a finished episode."""
+
+    task: float
+    """The task reward (e.g. exact match in {0, 1}, F1, a fraction of tests passed), before weighting."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-episode scalars for evaluation and plots (the `score_metric` among them)."""
+    terms: dict[str, float] = field(default_factory=dict)
+    """Named process terms the environment adds, recorded raw on the episode's last turn (the
+    learner weights them with the other process terms)."""
+
+
+@dataclass
+class NoOptions:
+    """An environment without options: `[env.options]` must stay empty."""
+
+
 class ToolEnv:
-    def __init__(self, chat: ChatFormat, config: EnvConfig | None = None, *, parser: ToolCallParser | None = None,
-                 system_prompt_text: str | None = None, example_messages: tuple[tuple[str, str], ...] | None = None):
+    """The base class of every environment (module docstring): subclass it and override the hooks."""
+
+    Options: type = NoOptions
+    required_tools: tuple[str, ...] = ()
+    """Built-in tool services (search, python, calculator) the environment needs started."""
+    score_metric: str = "score"
+    """The trajectory metric reported as the held-out score (score_before / score_after)."""
+    report_by: tuple[str, ...] = ()
+    """Task metadata keys by which held-out scores are also broken down (e.g. "num_hops")."""
+    user_prefix: str = ""
+    """Prepended to `task.prompt` by the default `first_messages`."""
+    finish_parameters: dict | None = None
+    """JSON schema of the finish tool's arguments when `EnvConfig.finish_tool` is set."""
+
+    def __init__(self, chat: ChatFormat, config: EnvConfig | None = None, options: Any = None, *,
+                 parser: ToolCallParser | None = None):
         self.chat = chat
         self.config = config or EnvConfig()
+        self.options = options if options is not None else self.Options()
         self.parser = parser or HermesParser()
         self.tools: dict[str, Tool] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
-        self._system_prompt_text = system_prompt_text
-        if example_messages is None:
-            example_messages = EXAMPLE_MESSAGES if self.config.worked_example else ()
-        self.example_messages = tuple(example_messages)
-        """Chat turns between the system message and the question (a worked example); () for none."""
         self._prefix_ids: list[int] | None = None
         self._prefix_messages: list[tuple[str, str, str]] = []
+        if self.config.finish_tool is not None:
+            from agentrl.engine.tools import FinishTool
+
+            self.register_tool(FinishTool(self.config.finish_tool, self.finish_parameters or {"type": "object"}))
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def intro(self) -> str:
+        """The system prompt's instructions, before the tool list."""
+        finish = (f' When you are done, call {self.config.finish_tool} with the result.' if self.config.finish_tool
+                  else " When you are done, reply <answer>your answer</answer>.")
+        return ('You solve tasks with tools. Call a tool with <tool_call>{"name": "<tool name>", "arguments": {...}}'
+                "</tool_call>." + finish)
+
+    def example_messages(self) -> tuple[tuple[str, str], ...]:
+        """Chat turns between the system message and the task (a worked example); () for none."""
+        return ()
+
+    def first_messages(self, task: Task) -> list[tuple[str, str]]:
+        """The opening (role, content) turns for `task`, after the system prompt and examples."""
+        if task.messages is not None:
+            return [(m["role"], m["content"]) for m in task.messages]
+        return [("user", f"{self.user_prefix}{task.prompt}")]
+
+    def final_answer(self, parsed: ParsedAction, text: str, stopped: bool) -> Any:
+        """The answer this action ends the episode with, or None to go on."""
+        if parsed.answer is not None:
+            return parsed.answer
+        if self.config.plain_text_is_answer and stopped and not parsed.calls and not parsed.errors:
+            return text.strip()
+        finish = self.config.finish_tool
+        if finish is not None:
+            for call in parsed.calls:
+                if call.name == finish and next(iter(self._validators[finish].iter_errors(call.arguments)), None) is None:
+                    return call.arguments
+        return None
+
+    def reward(self, task: Task, episode: EpisodeState) -> Reward:
+        """Score a finished episode (`episode.answer` is None when it ended without one)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reward(task, episode)")
+
+    def demonstration(self, task: Task) -> list[str] | None:
+        """Action texts that solve `task` (run through the real tools for the SFT cold start), or None."""
+        return None
+
+    async def baselines(self, tasks: list[Task]) -> dict[str, ToolEnv]:
+        """Other environments to evaluate on the same held-out tasks once, before training."""
+        return {}
+
+    # -- mechanics ------------------------------------------------------------------------------
 
     def register_tool(self, tool: Tool) -> None:
         if tool.name in self.tools:
@@ -169,21 +292,21 @@ class ToolEnv:
 
     @property
     def system_prompt(self) -> str:
-        if self._system_prompt_text is not None:
-            return self._system_prompt_text
-        return system_prompt([t.schema() for t in self.tools.values()], self.config.tool_list)
+        return f"{self.intro()}\n<tools>\n{list_tools([t.schema() for t in self.tools.values()], self.config.tool_list)}\n</tools>"
 
-    def reset(self, task: QATask, user_content: str | None = None) -> EpisodeState:
+    def reset(self, task: Task) -> EpisodeState:
         if self._prefix_ids is None:
             # The same for every episode, so built and tokenized once (and prefix-cached by vLLM).
             # Rebuilding the system prompt per episode (it serialises every tool schema) cost ~270 us
             # of orchestrator CPU per episode in the capacity benchmark.
-            prefix = [("system", self.system_prompt), *self.example_messages]
+            examples = self.example_messages() if self.config.worked_example else ()
+            prefix = [("system", self.system_prompt), *examples]
             self._prefix_messages = [(role, content, CLOSED) for role, content in prefix]
             self._prefix_ids = [i for role, content in prefix for i in self.chat.message(role, content)]
-        user = user_content if user_content is not None else f"Question: {task.question}"
-        ids = [*self._prefix_ids, *self.chat.message("user", user), *self.chat.assistant_head_ids]
-        messages = [*self._prefix_messages, ("user", user, CLOSED), ("assistant", "", "")]
+        opening = self.first_messages(task)
+        ids = [*self._prefix_ids, *(i for role, content in opening for i in self.chat.message(role, content)),
+               *self.chat.assistant_head_ids]
+        messages = [*self._prefix_messages, *((role, content, CLOSED) for role, content in opening), ("assistant", "", "")]
         return EpisodeState(task=task, token_ids=ids, is_action=[0] * len(ids), logprobs=[0.0] * len(ids),
                             versions=[-1] * len(ids), prompt_len=len(ids), messages=messages)
 
@@ -214,10 +337,9 @@ class ToolEnv:
         terms: dict[str, float] = {}
         parsed = self.parser.parse(text)
         turn.num_tool_calls = len(parsed.calls) + len(parsed.errors)
-        if parsed.answer is None and self.config.plain_text_is_answer and stopped and not parsed.calls and not parsed.errors:
-            parsed.answer = text.strip()
-        if parsed.answer is not None:
-            self._finish(state, parsed.answer)
+        answer = self.final_answer(parsed, text, stopped)
+        if answer is not None:
+            state.answer, state.done = answer, True
             return self._close(state, turn, terms, [], stopped)
 
         responses: list[str] = []
@@ -252,6 +374,7 @@ class ToolEnv:
 
     async def _run_calls(self, state: EpisodeState, calls: list[ToolCall], terms: dict[str, float]) -> list[str]:
         cfg = self.config
+        turn = len(state.turns) - 1
         responses: list[str | None] = [None] * len(calls)
         to_run: list[tuple[int, ToolCall, str]] = []
         for i, call in enumerate(calls):
@@ -276,7 +399,10 @@ class ToolEnv:
             key = call.name + "\x00" + json.dumps(call.arguments, sort_keys=True)
             if key in state.call_cache:
                 self._add(terms, R.DUPLICATE_CALL)
-                responses[i] = self._format_result(call.name, state.call_cache[key])
+                cached = state.call_cache[key]
+                state.calls.append(CallRecord(turn, call.name, call.arguments, cached.success, cached.content, cached.error,
+                                              repeated=True))
+                responses[i] = self._format_result(call.name, cached)
                 continue
             to_run.append((i, call, key))
 
@@ -289,6 +415,7 @@ class ToolEnv:
             state.tool_s += time.perf_counter() - start
             for (i, call, key), result in zip(to_run, results, strict=True):
                 state.call_cache[key] = result
+                state.calls.append(CallRecord(turn, call.name, call.arguments, result.success, result.content, result.error))
                 if result.success:
                     self._add(terms, R.TOOL_SUCCESS)
                     if call.name not in state.tools_used:
@@ -322,12 +449,14 @@ class ToolEnv:
             return self._error_response(name, result.error or "the tool failed")
         return f"<tool_response>\n{format_content(result.content)}\n</tool_response>"
 
-    def _finish(self, state: EpisodeState, answer: str) -> None:
-        state.answer = answer
-        state.done = True
-        em, f1 = exact_match(answer, state.task.answers), f1_score(answer, state.task.answers)
-        state.metrics.update(em=em, f1=f1)
-        state.task_reward = em if self.config.task_metric == "em" else f1
+    def _score(self, state: EpisodeState, terms: dict[str, float]) -> None:
+        """Ask the environment's `reward` about the finished episode (exceptions propagate: the
+        episode runner fails the episode with the traceback)."""
+        reward = self.reward(state.task, state)
+        state.task_reward = float(reward.task)
+        state.metrics.update(reward.metrics)
+        for term, value in reward.terms.items():
+            terms[term] = terms.get(term, 0.0) + float(value)
 
     def _close(self, state: EpisodeState, turn: Turn, terms: dict[str, float], responses: list[str], stopped: bool) -> Transition:
         """Record the turn's rewards; unless the episode ends here, append the observation
@@ -350,10 +479,9 @@ class ToolEnv:
             if len(state.token_ids) + len(obs) + cfg.min_action_tokens > cfg.max_total_tokens:
                 state.done, state.status, obs = True, "truncated", []
         if state.done:
-            if state.answer is None:
-                state.metrics.update(em=0.0, f1=0.0)
-                if state.status == "truncated" and cfg.rewards.no_answer:
-                    terms[R.NO_ANSWER] = terms.get(R.NO_ANSWER, 0.0) + cfg.rewards.no_answer
+            if state.answer is None and state.status == "truncated" and cfg.rewards.no_answer:
+                terms[R.NO_ANSWER] = terms.get(R.NO_ANSWER, 0.0) + cfg.rewards.no_answer
+            self._score(state, terms)
             return Transition([], terms, True)
         state.messages[-1] = ("assistant", state.messages[-1][1], CLOSED)
         state.messages += [("tool", content, CLOSED), ("assistant", "", "")]

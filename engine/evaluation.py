@@ -1,31 +1,36 @@
-"""Held-out evaluation through the orchestrator, and the Naive RAG baseline.
+"""Held-out evaluation through the orchestrator, and the environment's baselines.
 
 `evaluate(conn, tasks, label)` runs every task once, greedy, with the tools, after dropping the
 servers' KV and prefix caches (pushes may keep KV computed under earlier weights, learner
 `kv_refresh_every` > 1; an evaluation starts from none). During RL the learner goes on pushing
 while it runs, so an RL-phase evaluation is a mixture of versions; its summary records the version
-served at its start. The summary holds EM, F1, counts and, when the tasks differ in hop count or
-source, EM per hop count and per source.
+served at its start.
 
-`run_naive_rag(conn, tasks)`: retrieve once with the question (top 3 passages), put them in the
-prompt, answer in one turn. It needs a `search` tool.
+A summary holds `score` (the mean of the environment's `score_metric`), the mean of every episode
+metric the environment reports (QA: em, f1), counts, turns and tool calls per episode, and, for
+each metadata key in the environment's `report_by`, the same broken down by its values
+(`by_<key>`: {value: {"score", "n", "calls_per_episode"}}; QA also keeps `em_<n>hop`).
+
+`evaluate_baselines(conn, tasks)`: the environment's `baselines(tasks)` (QA: Naive RAG), each
+evaluated once on the same tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
+from collections import defaultdict
 
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
-from agentrl.engine.tasks import QATask
+from agentrl.engine.task import Task
 
-GREEDY = OrchestratorConfig(group_size=1, max_concurrent_episodes=256, sampling=SamplingConfig(temperature=0.0))
+GREEDY = OrchestratorConfig(group_size=1, max_concurrent_episodes=256, sampling=SamplingConfig(temperature=0.0),
+                            max_failure_rate=1.0)
+"""Evaluation reports failed episodes (num_failed) instead of stopping on them."""
 
 
-async def run_tasks(env, pool, tasks: list[QATask], config: OrchestratorConfig = GREEDY, *, run_id: str,
-                    user_content=None, sink=None) -> list:
+async def run_tasks(env, pool, tasks: list[Task], config: OrchestratorConfig = GREEDY, *, run_id: str, sink=None) -> list:
     """Every task through the orchestrator; the trajectories (in completion order)."""
     trajectories = []
 
@@ -34,66 +39,73 @@ async def run_tasks(env, pool, tasks: list[QATask], config: OrchestratorConfig =
         if sink is not None:
             await sink(group)
 
-    orch = Orchestrator(env, pool.generate, collect, config, run_id=run_id, user_content=user_content)
+    orch = Orchestrator(env, pool.generate, collect, config, run_id=run_id)
     stats = await orch.run(tasks)
     if stats.num_episodes_started != stats.num_episodes_finished:
         raise RuntimeError(f"{stats.num_episodes_started} episodes started but {stats.num_episodes_finished} finished")
     return trajectories
 
 
-def summarize(label: str, tasks: list[QATask], trajectories: list, **extra) -> dict:
+def _mean(values: list[float]) -> float:
+    return sum(values) / max(len(values), 1)
+
+
+def summarize(label: str, env, tasks: list[Task], trajectories: list, **extra) -> dict:
+    metric = env.score_metric
     n = len(trajectories)
     summary = {
         "label": label,
         "time": time.time(),
-        "em": sum(t.metrics.get("em", 0.0) for t in trajectories) / max(n, 1),
-        "f1": sum(t.metrics.get("f1", 0.0) for t in trajectories) / max(n, 1),
+        "score": _mean([t.metrics.get(metric, 0.0) for t in trajectories]),
+        "score_metric": metric,
         "n": n,
         "num_failed": sum(t.status == "failed" for t in trajectories),
-        "valid_call_rate": sum(t.metrics.get("process/valid_call", 0.0) > 0 for t in trajectories) / max(n, 1),
-        "mean_turns": sum(len(t.turns) for t in trajectories) / max(n, 1),
+        "valid_call_rate": _mean([float(t.metrics.get("process/valid_call", 0.0) > 0) for t in trajectories]),
+        "mean_turns": _mean([len(t.turns) for t in trajectories]),
+        "calls_per_episode": _mean([t.metrics.get("num_tool_calls", 0.0) for t in trajectories]),
         **extra,
     }
-    for key, name in (("num_hops", "em_{}hop"), ("source", "em_{}")):
-        values = sorted({getattr(task, key) for task in tasks})
-        if len(values) < 2:
+    reported = sorted({k for t in trajectories for k in t.metrics if "/" not in k and k not in summary
+                       and k not in ("num_turns", "num_tool_calls", "gold")})
+    for key in reported:
+        summary[key] = _mean([t.metrics.get(key, 0.0) for t in trajectories])
+    by_id = {t.task_id: t for t in trajectories}
+    for key in env.report_by:
+        groups: dict[str, list] = defaultdict(list)
+        for task in tasks:
+            if key in task.metadata and task.task_id in by_id:
+                groups[str(task.metadata[key])].append(by_id[task.task_id])
+        if len(groups) < 2:
             continue
-        for value in values:
-            ids = {task.task_id for task in tasks if getattr(task, key) == value}
-            sel = [t for t in trajectories if t.task_id in ids]
-            summary[name.format(value)] = sum(t.metrics.get("em", 0.0) for t in sel) / max(len(sel), 1)
+        summary[f"by_{key}"] = {value: {"score": _mean([t.metrics.get(metric, 0.0) for t in sel]), "n": len(sel),
+                                        "calls_per_episode": _mean([t.metrics.get("num_tool_calls", 0.0) for t in sel])}
+                                for value, sel in sorted(groups.items())}
+        if key == "num_hops":
+            for value, sel in sorted(groups.items()):
+                summary[f"{metric}_{value}hop"] = _mean([t.metrics.get(metric, 0.0) for t in sel])
     return summary
 
 
-async def evaluate(conn, tasks: list[QATask], label: str) -> tuple[dict, list]:
+async def evaluate(conn, tasks: list[Task], label: str, env=None) -> tuple[dict, list]:
     """Greedy held-out evaluation (module docstring); returns (summary, trajectories)."""
     from agentrl.common.weights import reset_kv_cache
 
+    env = env or conn.env
     versions_before = [await s.client.weight_version() for s in conn.pool.servers if s.alive]
     t0 = time.perf_counter()
     await asyncio.gather(*(reset_kv_cache(url) for url in conn.pool.live_servers))
-    trajectories = await run_tasks(conn.env, conn.pool, tasks, run_id=f"eval-{label}")
-    summary = summarize(label, tasks, trajectories, served_version=max(versions_before) if versions_before else -1,
+    trajectories = await run_tasks(env, conn.pool, tasks, run_id=f"eval-{label}")
+    summary = summarize(label, env, tasks, trajectories, served_version=max(versions_before) if versions_before else -1,
                         eval_s=time.perf_counter() - t0)
     return summary, trajectories
 
 
-async def run_naive_rag(conn, tasks: list[QATask], top_k: int = 3) -> tuple[dict, list]:
-    """Naive RAG (module docstring); returns (summary, trajectories)."""
-    from agentrl.engine.chat import NAIVE_RAG_EXAMPLE_MESSAGES, NAIVE_RAG_SYSTEM_PROMPT
-    from agentrl.engine.env import ToolEnv, format_content
-
-    search = next((t for t in conn.tools if t.name == "search"), None)
-    if search is None:
-        raise RuntimeError("Naive RAG needs a 'search' tool; the tool services offer " + ", ".join(t.name for t in conn.tools))
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(search.execute({"query": t.question, "top_k": top_k}) for t in tasks))
-    contexts = {}
-    for task, result in zip(tasks, results, strict=True):
-        if not result.success:
-            raise RuntimeError(f"Naive RAG retrieval failed for {task.task_id}: {result.error}")
-        contexts[task.task_id] = f"Passages:\n{format_content(result.content)}\n\nQuestion: {task.question}"
-    env_cfg = dataclasses.replace(conn.env_config, max_turns=1, plain_text_is_answer=True)
-    env = ToolEnv(conn.chat, env_cfg, system_prompt_text=NAIVE_RAG_SYSTEM_PROMPT, example_messages=NAIVE_RAG_EXAMPLE_MESSAGES)
-    trajectories = await run_tasks(env, conn.pool, tasks, run_id="naive-rag", user_content=lambda t: contexts[t.task_id])
-    return summarize("naive_rag", tasks, trajectories, served_version=0, eval_s=time.perf_counter() - t0), trajectories
+async def evaluate_baselines(conn, tasks: list[Task]) -> dict[str, tuple[dict, list]]:
+    """Each of the environment's baselines on `tasks`: name -> (summary, trajectories)."""
+    out = {}
+    for name, env in (await conn.env.baselines(tasks)).items():
+        t0 = time.perf_counter()
+        trajectories = await run_tasks(env, conn.pool, tasks, run_id=name)
+        out[name] = (summarize(name, env, tasks, trajectories, served_version=0, eval_s=time.perf_counter() - t0),
+                     trajectories)
+    return out

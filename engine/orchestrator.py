@@ -18,7 +18,11 @@ up (weights pushed), at most `staleness_wait_s` before the run fails loudly.
 Nothing is dropped: every episode started returns a Trajectory (failed ones with status "failed"
 and the reason, see `episode.run_episode`), every group reaches the sink, and `stats` counts
 episodes started, finished, failed and groups emitted, so a report can check started == finished.
-An exception escaping an episode (a bug, not a named failure) cancels the run and is raised.
+Failure rate: when more than `max_failure_rate` of the last `failure_window` finished episodes
+failed (an environment that raises, tools or servers gone), the run stops with `TooManyFailures`,
+carrying the count and the first failure's reason (a traceback for an environment's bug), instead
+of streaming groups that cannot be trained. An exception escaping the orchestrator's own code (a
+bug in the engine) cancels the run and is raised.
 
 Garbage collection: with thousands of episodes alive, CPython's cyclic collector at its default
 threshold (a young-generation pass every 700 net allocations) re-traverses the live episode state
@@ -32,6 +36,7 @@ is freed by reference counting), so `run` raises the young-generation threshold 
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import logging
 import time
@@ -44,7 +49,7 @@ from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import VersionSubscriber
 from agentrl.engine.env import ToolEnv
 from agentrl.engine.episode import GenerateFn, SamplingConfig, run_episode
-from agentrl.engine.tasks import QATask
+from agentrl.engine.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,10 @@ class OrchestratorConfig:
     staleness_wait_s: float = 1800.0
     """Longest wait for the servers to catch up before the run fails, seconds."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_failure_rate: float = 0.2
+    """Stop the run when more than this fraction of the last `failure_window` episodes failed."""
+    failure_window: int = 50
+    """Finished episodes the failure rate is measured over (the rule applies once that many finished)."""
     gc_threshold0: int | None = 100_000
     """Young-generation threshold of the cyclic garbage collector while `run` runs (net allocations
     between collections; CPython's default is 700); None leaves the collector as it is. See the
@@ -75,7 +84,9 @@ class OrchestratorConfig:
         if self.group_size < 1 or self.max_concurrent_episodes < 1 or self.max_groups_in_flight < 1:
             raise ValueError("OrchestratorConfig: group_size, max_concurrent_episodes and max_groups_in_flight must be >= 1")
         if self.max_staleness < 0:
-            raise ValueError("OrchestratorConfig.max_staleness must be >= 0")
+            raise ValueError("max_staleness: must be >= 0")
+        if not 0.0 <= self.max_failure_rate <= 1.0 or self.failure_window < 1:
+            raise ValueError("max_failure_rate: must be in [0, 1] (1 = never stop), with failure_window >= 1")
 
 
 @dataclass
@@ -90,9 +101,13 @@ class OrchestratorStats:
     wall_s: float = 0.0
 
 
+class TooManyFailures(RuntimeError):
+    """Too many episodes failed in a row of the run (see the module docstring)."""
+
+
 class Orchestrator:
     def __init__(self, env: ToolEnv, generate: GenerateFn, sink: Sink, config: OrchestratorConfig | None = None, *,
-                 versions: VersionSubscriber | None = None, run_id: str | None = None, user_content: Callable[[QATask], str] | None = None):
+                 versions: VersionSubscriber | None = None, run_id: str | None = None):
         self.env = env
         self.generate = generate
         self.sink = sink
@@ -100,12 +115,13 @@ class Orchestrator:
         self.versions = versions
         self.run_id = run_id or uuid.uuid4().hex[:12]
         """Prefix of every group id: unique across runs and restarts, so the learner's dedup is sound."""
-        self.user_content = user_content
         self.stats = OrchestratorStats()
+        self._recent_failed: collections.deque[bool] = collections.deque(maxlen=self.config.failure_window)
+        self._first_failure: str | None = None
         self._episode_slots = asyncio.Semaphore(self.config.max_concurrent_episodes)
         self._group_slots = asyncio.Semaphore(self.config.max_groups_in_flight)
 
-    async def run(self, tasks: Iterable[QATask]) -> OrchestratorStats:
+    async def run(self, tasks: Iterable[Task]) -> OrchestratorStats:
         """Run a group for every task; returns once every group has been accepted by the sink."""
         start = time.perf_counter()
         running: set[asyncio.Task] = set()
@@ -142,23 +158,31 @@ class Orchestrator:
             raise failure[0]
         return self.stats
 
-    async def _run_group(self, task: QATask, group_id: str) -> None:
+    async def _run_group(self, task: Task, group_id: str) -> None:
         samples = await asyncio.gather(*(self._run_sample(task, group_id, i) for i in range(self.config.group_size)))
         await self.sink(TrajectoryGroup(group_id=group_id, task_id=task.task_id, trajectories=list(samples)))
         self.stats.num_groups_emitted += 1
 
-    async def _run_sample(self, task: QATask, group_id: str, sample_index: int):
+    async def _run_sample(self, task: Task, group_id: str, sample_index: int):
         await self._wait_fresh_enough()
         async with self._episode_slots:
             self.stats.num_episodes_started += 1
             traj = await run_episode(self.env, task, self.generate, self.config.sampling, group_id=group_id,
-                                     sample_index=sample_index, user_content=self.user_content(task) if self.user_content else None)
+                                     sample_index=sample_index)
         self.stats.num_episodes_finished += 1
         self.stats.num_turns += len(traj.turns)
         self.stats.num_action_tokens += int(traj.is_action.sum())
-        if traj.status == "failed":
+        failed = traj.status == "failed"
+        self._recent_failed.append(failed)
+        if failed:
             self.stats.num_episodes_failed += 1
+            self._first_failure = self._first_failure or f"task {task.task_id}: {traj.error}"
             log.warning("episode %s/%d failed: %s", group_id, sample_index, traj.error)
+            window = self._recent_failed
+            if len(window) == window.maxlen and sum(window) > self.config.max_failure_rate * len(window):
+                raise TooManyFailures(f"{sum(window)} of the last {len(window)} episodes failed "
+                                      f"({self.stats.num_episodes_failed} of {self.stats.num_episodes_finished} in all); "
+                                      f"the first: {self._first_failure}")
         return traj
 
     async def _wait_fresh_enough(self) -> None:

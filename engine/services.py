@@ -1,13 +1,23 @@
 """The actor side's services: start what a run does not point at, connect to all of it.
 
-`start_services(config, corpus, logs)` starts, as child processes owned by PID, the built-in tool
-services named in `[services] tools` (search over the run's corpus, the python sandbox, the
-calculator) and a vLLM server unless `[services] vllm` lists running ones; `Services.stop()` stops
-what was started (never what was given). Tool endpoints given in `[services] tool_endpoints` are
-grouped into services by the tools each describes (replicas of one service describe the same).
+Tools come from three places, all added together (none replaces another):
+- the environment's `required_tools` and `[services] tools`: built-in services (search over the
+  task set's corpus, the python sandbox, the calculator), started here;
+- `[[tools]]` entries (`ToolSource`): a built-in by name; your own tool service started here from
+  a command (it must print `READY <endpoint>`; "{bind}" in the command becomes a free loopback
+  endpoint); running endpoints elsewhere (`tcp://HOST:PORT`, CurveZMQ keys for non-loopback
+  hosts); in-process Python functions (`package.module:function`, schema from type hints and
+  docstring, or given); MCP servers (stdio command or streamable-HTTP URL);
+- `[services] tool_endpoints` / `--tool-endpoint`: running services, grouped by the tools each
+  describes (replicas of one service describe the same).
+
+`start_services(...)` starts every process it needs as a child owned by PID (user tool commands
+first: one that exits at start is reported, naming its `tools[i]` entry, before a vLLM server is
+started) and a vLLM server unless `[services] vllm` lists running ones; `Services.stop()` stops
+what was started (never what was given).
 
 `Connections` (an async context) is what the orchestrator runs on: the server pool, the chat
-format of the policy's tokenizer, and a `ToolEnv` with every tool of every service registered.
+format of the policy's tokenizer, and the environment (`[env] class`) with every tool registered.
 `agentrl train` (the supervisor and its actor process) and `agentrl eval` / `rollout` all use these.
 """
 
@@ -17,12 +27,13 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from agentrl.common.config import config_dataclass
+from agentrl.common.config import ConfigError, config_dataclass
 from agentrl.engine.env import EnvConfig
 
 BUILTIN_TOOLS = ("search", "python", "calculator")
+Builtin = Literal["search", "python", "calculator"]
 
 
 @config_dataclass
@@ -30,9 +41,9 @@ class ServicesConfig:
     vllm: list[str] = field(default_factory=list)
     """Running vLLM servers (base URLs, e.g. from `agentrl serve-model`); empty: start one."""
     tool_endpoints: list[str] = field(default_factory=list)
-    """Running tool services (ZeroMQ endpoints, tcp://HOST:PORT); empty: start `tools` here."""
-    tools: list[Literal["search", "python", "calculator"]] = field(default_factory=lambda: ["search", "python", "calculator"])
-    """Built-in tool services to start when `tool_endpoints` is empty."""
+    """Running tool services (ZeroMQ endpoints, tcp://HOST:PORT), added to the tools started here."""
+    tools: list[Builtin] = field(default_factory=lambda: ["search", "python", "calculator"])
+    """Built-in tool services to start (besides those the environment requires)."""
     search_replicas: int = 1
     """Replicas of the search service to start (>= 1)."""
     vllm_dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
@@ -51,55 +62,142 @@ class ServicesConfig:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"vllm: {url!r} is not a base URL; write it as http://HOST:PORT")
         for endpoint in self.tool_endpoints:
-            if not endpoint.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"tool_endpoints: {endpoint!r} has no scheme; write it as tcp://HOST:PORT")
+            _check_endpoint(endpoint, "tool_endpoints")
         if self.search_replicas < 1:
-            raise ValueError(f"search_replicas={self.search_replicas} must be >= 1")
+            raise ValueError(f"search_replicas: {self.search_replicas} must be >= 1")
         if self.max_model_len < 1 or self.max_learner_restarts < 0:
-            raise ValueError("max_model_len must be >= 1 and max_learner_restarts >= 0")
+            raise ValueError("max_model_len: must be >= 1 (and max_learner_restarts >= 0)")
+
+
+def _check_endpoint(endpoint: str, key: str) -> None:
+    if not endpoint.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"{key}: {endpoint!r} has no scheme; write it as tcp://HOST:PORT")
+
+
+@config_dataclass
+class ToolSource:
+    """One `[[tools]]` entry: exactly one of builtin, command, endpoints, function, mcp, mcp_url."""
+
+    builtin: Builtin | None = None
+    """A built-in tool service, started by the run."""
+    command: list[str] | None = None
+    """Your own tool service, started by the run from this argv (run with this Python: a first
+    element "python" is this interpreter); "{bind}" is replaced by a free loopback endpoint. It
+    must print `READY <endpoint>` (agentrl.toolservers.functions.serve does) and stop on SIGTERM."""
+    endpoints: list[str] | None = None
+    """A running service elsewhere: its replicas' endpoints (tcp://HOST:PORT)."""
+    curve_server_key: str | None = None
+    """With `endpoints` off loopback: the server's zmq.auth public key file (NAME.key)."""
+    curve_client_key: str | None = None
+    """With `endpoints` off loopback: this client's zmq.auth secret key file (NAME.key_secret)."""
+    function: str | None = None
+    """An in-process Python function, "package.module:function"."""
+    name: str | None = None
+    """The function tool's name (default: the function's)."""
+    description: str | None = None
+    """The function tool's description (default: its docstring's first paragraph)."""
+    parameters: dict[str, Any] | None = None
+    """The function tool's argument schema (default: from its type hints and docstring)."""
+    mcp: list[str] | None = None
+    """An MCP server over stdio: its command and arguments, started by the run."""
+    mcp_url: str | None = None
+    """An MCP server over streamable HTTP: its URL."""
+    replicas: int = 1
+    """Instances of a builtin or command service to start."""
+    args: list[str] = field(default_factory=list)
+    """Extra arguments of a builtin service (e.g. ["--workers", "2"])."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("builtin", "command", "endpoints", "function", "mcp", "mcp_url") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"builtin: a [[tools]] entry names exactly one of builtin, command, endpoints, function, "
+                             f"mcp, mcp_url; this one has {given or 'none'}")
+        for endpoint in self.endpoints or []:
+            _check_endpoint(endpoint, "endpoints")
+        if (self.curve_server_key is None) != (self.curve_client_key is None):
+            raise ValueError("curve_server_key: CurveZMQ needs both curve_server_key and curve_client_key")
+        if self.command is not None and not self.command:
+            raise ValueError("command: an empty command")
+        if self.replicas < 1:
+            raise ValueError(f"replicas: {self.replicas} must be >= 1")
+
+
+@config_dataclass
+class RemoteService:
+    """A tool service the actor side connects to (started here or given)."""
+
+    name: str
+    endpoints: list[str]
+    curve_server_key: str | None = None
+    curve_client_key: str | None = None
 
 
 @dataclass
 class Services:
-    """Endpoints of the running services, and the processes started for them."""
+    """The running services a run connects to, and the processes started for them."""
 
     vllm_urls: list[str]
-    tool_endpoints: dict[str, list[str]]
-    """Service name (its tool names, comma-joined, for given endpoints) -> replica endpoints."""
-    tool_procs: list = field(default_factory=list)
+    remote: list[RemoteService] = field(default_factory=list)
+    local: list[ToolSource] = field(default_factory=list)
+    """In-process tools (functions, MCP servers), built in each process that connects."""
+    procs: list = field(default_factory=list)
     vllm_server: object | None = None
 
     def stop(self) -> None:
         """Stop what was started here, by PID (given endpoints are left running)."""
-        for proc in self.tool_procs:
+        for proc in reversed(self.procs):
             proc.stop(timeout_s=10)
         if self.vllm_server is not None:
             self.vllm_server.stop()
 
 
-async def start_services(config: ServicesConfig, *, model_dir: str, corpus: Path | None, logs: Path,
-                         say=print) -> Services:
+def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: list[ToolSource]) -> list[str]:
+    """The built-in services to start, in a stable order, each once."""
+    wanted = {*env_required, *config.tools, *(t.builtin for t in tools if t.builtin)}
+    unknown = sorted(wanted - set(BUILTIN_TOOLS))
+    if unknown:
+        raise ConfigError(f"env.class requires tool service(s) {unknown}, which are not built in ({', '.join(BUILTIN_TOOLS)})")
+    return [name for name in BUILTIN_TOOLS if name in wanted]
+
+
+async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
+                         model_dir: str, corpus: Path | None, logs: Path, say=print) -> Services:
     """Start the tool services and the vLLM server the config does not point at. On failure every
     process started so far is stopped before the error propagates."""
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
-    from agentrl.toolservers.process import start_toolserver
 
     logs.mkdir(parents=True, exist_ok=True)
-    services = Services(vllm_urls=list(config.vllm), tool_endpoints={})
+    services = Services(vllm_urls=list(config.vllm), local=[t for t in tools if t.function or t.mcp or t.mcp_url])
     try:
+        for i, source in enumerate(tools):  # user services first: a broken one stops the run before vLLM starts
+            if source.command is not None:
+                endpoints = []
+                for r in range(source.replicas):
+                    proc = await asyncio.to_thread(_start_command, source.command, logs / f"tool-command{i}-{r}.log", f"tools[{i}]")
+                    services.procs.append(proc)
+                    endpoints.append(proc.endpoint)
+                    say(f"tool service tools[{i}] #{r}: {proc.endpoint} (pid {proc.pid})")
+                services.remote.append(RemoteService(f"tools[{i}]", endpoints))
+            elif source.endpoints is not None:
+                services.remote.append(RemoteService(f"tools[{i}]", list(source.endpoints), source.curve_server_key,
+                                                     source.curve_client_key))
         if config.tool_endpoints:
-            services.tool_endpoints = await group_tool_endpoints(config.tool_endpoints)
-        else:
-            for name in config.tools:
-                if name == "search" and corpus is None:
-                    raise ValueError("the search tool needs a passage corpus, and these tasks provide none")
-                args = ["--corpus", str(corpus)] if name == "search" else []
-                for r in range(config.search_replicas if name == "search" else 1):
-                    proc = await asyncio.to_thread(start_toolserver, name, "tcp://127.0.0.1:*", *args,
-                                                   log_path=str(logs / f"tool-{name}-{r}.log"))
-                    services.tool_procs.append(proc)
-                    services.tool_endpoints.setdefault(name, []).append(proc.endpoint)
-                    say(f"tool service {name} #{r}: {proc.endpoint} (pid {proc.pid})")
+            for name, endpoints in (await group_tool_endpoints(config.tool_endpoints)).items():
+                services.remote.append(RemoteService(name, endpoints))
+        for name in builtin_tools(env_required, config, tools):
+            if name == "search" and corpus is None:
+                raise ConfigError("the search tool needs a passage corpus, and this task set provides none "
+                                  "(the loader's `corpus` option)")
+            source = next((t for t in tools if t.builtin == name), None)
+            args = [*(["--corpus", str(corpus)] if name == "search" else []), *(source.args if source else [])]
+            replicas = source.replicas if source else (config.search_replicas if name == "search" else 1)
+            endpoints = []
+            for r in range(replicas):
+                proc = await asyncio.to_thread(_start_builtin, name, args, logs / f"tool-{name}-{r}.log")
+                services.procs.append(proc)
+                endpoints.append(proc.endpoint)
+                say(f"tool service {name} #{r}: {proc.endpoint} (pid {proc.pid})")
+            services.remote.append(RemoteService(name, endpoints))
         if not services.vllm_urls:
             server = VLLMServer(
                 VLLMServerConfig(model_dir=model_dir, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
@@ -116,6 +214,36 @@ async def start_services(config: ServicesConfig, *, model_dir: str, corpus: Path
     return services
 
 
+def _start_builtin(name: str, args: list[str], log_path: Path):
+    from agentrl.toolservers.process import start_toolserver
+
+    return start_toolserver(name, "tcp://127.0.0.1:*", *args, log_path=str(log_path))
+
+
+class ToolCommandError(ConfigError):
+    """A user tool service that could not start (it exited, or printed no READY line)."""
+
+
+def _start_command(command: list[str], log_path: Path, key: str):
+    import shutil
+    import sys
+
+    from agentrl.common.procs import ChildStartError
+    from agentrl.engine.serve import free_port
+    from agentrl.toolservers.process import ToolServerProcess
+
+    argv = [sys.executable if i == 0 and part in ("python", "python3") else part.replace("{bind}", f"tcp://127.0.0.1:{free_port()}")
+            for i, part in enumerate(command)]
+    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
+        raise ToolCommandError(f"{key}.command: no such program {argv[0]!r}")
+    proc = ToolServerProcess(key, argv, log_path=str(log_path)).start()
+    try:
+        proc.endpoint = proc.wait_for_line("READY ", 120.0).split(" ", 1)[1]
+    except ChildStartError as err:
+        raise ToolCommandError(f"{key}.command {' '.join(command)!r} did not start: {err}") from None
+    return proc
+
+
 async def group_tool_endpoints(endpoints: list[str]) -> dict[str, list[str]]:
     """Group given endpoints into services by the tool names each describes (replicas agree)."""
     from agentrl.toolservers.client import ToolClient
@@ -128,18 +256,42 @@ async def group_tool_endpoints(endpoints: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
-class Connections:
-    """Clients of the running services and a ToolEnv over their tools (an async context)."""
+def function_tool(source: ToolSource, key: str):
+    """The in-process tool of a `function` entry (ConfigError naming `key` when it cannot be had)."""
+    from agentrl.engine.plugins import resolve
+    from agentrl.engine.tools import FunctionTool
+    from agentrl.toolservers.functions import SchemaError
 
-    def __init__(self, vllm_urls: list[str], tool_endpoints: dict[str, list[str]], model_dir: str, env_config: EnvConfig):
-        self.vllm_urls, self.tool_endpoints, self.model_dir, self.env_config = vllm_urls, tool_endpoints, model_dir, env_config
+    fn = resolve(source.function, f"{key}.function")
+    if not callable(fn):
+        raise ConfigError(f"{key}.function: {source.function!r} is not callable")
+    try:
+        return FunctionTool.from_function(fn, name=source.name, description=source.description, parameters=source.parameters)
+    except SchemaError as err:
+        raise ConfigError(f"{key}.function: no usable schema: {err}") from None
+
+
+def check_tool_sources(tools: list[ToolSource]) -> None:
+    """What can be checked before anything starts: functions import and have a schema."""
+    for i, source in enumerate(tools):
+        if source.function is not None:
+            function_tool(source, f"tools[{i}]")
+
+
+class Connections:
+    """Clients of the running services and the environment over their tools (an async context)."""
+
+    def __init__(self, vllm_urls: list[str], remote: list[RemoteService], model_dir: str, env_config: EnvConfig,
+                 local: list[ToolSource] | None = None):
+        self.vllm_urls, self.remote, self.model_dir, self.env_config = vllm_urls, remote, model_dir, env_config
+        self.local = local or []
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> Connections:
         from transformers import AutoTokenizer
 
         from agentrl.engine.chat import ChatFormat
-        from agentrl.engine.env import ToolEnv
+        from agentrl.engine.environments import make_env
         from agentrl.engine.pool import ServerPool
         from agentrl.engine.tools import remote_tools
         from agentrl.toolservers.client import ToolClient
@@ -148,17 +300,36 @@ class Connections:
         try:
             self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls))
             self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
-            self.env = ToolEnv(self.chat, self.env_config)
+            self.env = make_env(self.chat, self.env_config)
             self.tools = []
-            for endpoints in self.tool_endpoints.values():
-                client = await self._stack.enter_async_context(ToolClient(endpoints))
-                for tool in await remote_tools(client):
-                    self.env.register_tool(tool)
-                    self.tools.append(tool)
+            for service in self.remote:
+                client = await self._stack.enter_async_context(ToolClient(service.endpoints, **_curve(service)))
+                self.tools += await remote_tools(client)
+            for i, source in enumerate(self.local):
+                if source.function is not None:
+                    self.tools.append(function_tool(source, f"tools[{i}]"))
+                else:
+                    self.tools += await self._mcp_tools(source)
+            for tool in self.tools:
+                self.env.register_tool(tool)
         except BaseException:
             await self._stack.aclose()
             raise
         return self
 
+    async def _mcp_tools(self, source: ToolSource) -> list:
+        raise ConfigError("tools: MCP servers as tools are not available in this build")
+
     async def __aexit__(self, *exc) -> None:
         await self._stack.aclose()
+
+
+def _curve(service: RemoteService) -> dict:
+    if service.curve_server_key is None:
+        return {}
+    import zmq.auth
+
+    server_public, _ = zmq.auth.load_certificate(service.curve_server_key)
+    client_public, client_secret = zmq.auth.load_certificate(service.curve_client_key)
+    return {"curve_server_public_key": server_public, "curve_client_public_key": client_public,
+            "curve_client_secret_key": client_secret}

@@ -31,24 +31,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.engine.task import Task
+
 SPLITS = ("train", "heldout")
 
 
-@dataclass(frozen=True)
-class QATask:
-    """One question with its gold answers; the unit the orchestrator turns into a GRPO group."""
-
-    task_id: str
-    question: str
-    answers: tuple[str, ...]
-    """Gold answer and its aliases; EM/F1 take the best over them."""
-    supporting_ids: tuple[str, ...] = ()
-    """Ids of the gold supporting passages (in hop order for synthetic tasks)."""
-    num_hops: int = 0
-    """Hops needed (0 when the source does not say)."""
-    source: str = "synthetic"
-    gold_queries: tuple[str, ...] = ()
-    """One search query per hop that retrieves the hop's passage (synthetic tasks only)."""
+def qa_task(task_id: str, question: str, answers: tuple[str, ...] | list[str], *, num_hops: int = 0, source: str = "synthetic",
+            supporting_ids: tuple[str, ...] | list[str] = (), gold_queries: tuple[str, ...] | list[str] = ()) -> Task:
+    """A question-answering task in the generic layout: prompt = the question, reference = the gold
+    answer and its aliases (EM/F1 take the best over them), metadata = the hop count, the source,
+    the gold supporting passage ids (in hop order for synthetic tasks) and one gold search query per
+    hop that retrieves the hop's passage (synthetic tasks only; the QA environment's demonstration)."""
+    return Task(task_id, prompt=question, reference=list(answers),
+                metadata={"num_hops": num_hops, "source": source, "supporting_ids": list(supporting_ids),
+                          "gold_queries": list(gold_queries)})
 
 
 @dataclass
@@ -177,7 +173,7 @@ class SyntheticWorld:
                 f.write(json.dumps(row) + "\n")
         return path
 
-    def questions(self, split: str = "train", hops: Sequence[int] = (1, 2, 3, 4), num: int = 100, seed: int = 0) -> list[QATask]:
+    def questions(self, split: str = "train", hops: Sequence[int] = (1, 2, 3, 4), num: int = 100, seed: int = 0) -> list[Task]:
         """`num` distinct questions of the given split, hop counts drawn uniformly from `hops`.
 
         Deterministic in (world, split, hops, num, seed). Raises ValueError if the split holds fewer
@@ -197,7 +193,7 @@ class SyntheticWorld:
         for pool in pools.values():
             rng.shuffle(pool)
         hop_order = sorted(set(hops))
-        out: list[QATask] = []
+        out: list[Task] = []
         cursor = dict.fromkeys(hop_order, 0)
         while len(out) < num:
             h = rng.choice([h for h in hop_order if cursor[h] < len(pools[h])])
@@ -209,7 +205,7 @@ class SyntheticWorld:
         """Distinct questions of `split` with the given hop counts."""
         return sum(len(self._question_pool(split, h)) for h in set(hops))
 
-    def _question_pool(self, split: str, num_hops: int) -> list[QATask]:
+    def _question_pool(self, split: str, num_hops: int) -> list[Task]:
         pool = []
         for chain in _CHAINS[num_hops]:
             starts = {"made_by": self._products, "founded_by": self._companies,
@@ -221,7 +217,7 @@ class SyntheticWorld:
                     pool.append(task)
         return pool
 
-    def _compose(self, start: str, chain: tuple[str, ...]) -> QATask | None:
+    def _compose(self, start: str, chain: tuple[str, ...]) -> Task | None:
         entity, description = start, (f"the {start}" if chain[0] == "made_by" else start)
         passage_ids, queries = [], []
         for i, relation in enumerate(chain):
@@ -237,8 +233,8 @@ class SyntheticWorld:
             entity = fact.obj
         question = question[0].upper() + question[1:]
         task_id = f"syn{self.config.seed}-{len(chain)}h-{'.'.join(r[0] for r in chain)}-{_slug(start)}"
-        return QATask(task_id=task_id, question=question, answers=(entity,), supporting_ids=tuple(passage_ids),
-                      num_hops=len(chain), source="synthetic", gold_queries=tuple(queries))
+        return qa_task(task_id, question, [entity], num_hops=len(chain), source="synthetic",
+                       supporting_ids=passage_ids, gold_queries=queries)
 
 
 # Relation chains by hop count; each ends at an entity with a short name.
@@ -269,7 +265,7 @@ _QUERY = {
 
 
 def synthetic_tasks(split: str = "heldout", num: int = 64, hops: Sequence[int] = (1, 2, 3, 4), seed: int = 0,
-                    config: SyntheticQAConfig | None = None) -> tuple[SyntheticWorld, list[QATask]]:
+                    config: SyntheticQAConfig | None = None) -> tuple[SyntheticWorld, list[Task]]:
     """The world for `config` (default: seed 0) and `num` questions of `split`."""
     world = SyntheticWorld.generate(config)
     return world, world.questions(split=split, hops=hops, num=num, seed=seed)
@@ -310,7 +306,7 @@ def passage_id_for_title(title: str) -> str:
     return "wiki-" + _slug(title)
 
 
-def load_hotpotqa(path: str | Path, limit: int | None = None) -> tuple[list[QATask], list[dict]]:
+def load_hotpotqa(path: str | Path, limit: int | None = None) -> tuple[list[Task], list[dict]]:
     """HotpotQA (distractor / fullwiki dev or train JSON): tasks and the passages of their contexts.
 
     Record: {"_id", "question", "answer", "supporting_facts": [[title, sent_idx]], "context":
@@ -319,13 +315,13 @@ def load_hotpotqa(path: str | Path, limit: int | None = None) -> tuple[list[QATa
     return _load_title_context(path, limit, "hotpotqa", "HotpotQA")
 
 
-def load_2wikimultihopqa(path: str | Path, limit: int | None = None) -> tuple[list[QATask], list[dict]]:
+def load_2wikimultihopqa(path: str | Path, limit: int | None = None) -> tuple[list[Task], list[dict]]:
     """2WikiMultihopQA: the HotpotQA layout plus "evidences" ([subject, relation, object] triples),
     whose count is the hop count."""
     return _load_title_context(path, limit, "2wikimultihopqa", "2WikiMultihopQA")
 
 
-def _load_title_context(path: str | Path, limit: int | None, source: str, fmt: str) -> tuple[list[QATask], list[dict]]:
+def _load_title_context(path: str | Path, limit: int | None, source: str, fmt: str) -> tuple[list[Task], list[dict]]:
     path = Path(path)
     rows = _load_json_or_jsonl(path)[:limit]
     tasks, passages = [], {}
@@ -338,12 +334,12 @@ def _load_title_context(path: str | Path, limit: int | None, source: str, fmt: s
             if passage_id_for_title(title) not in support:
                 support.append(passage_id_for_title(title))
         num_hops = len(row["evidences"]) if row.get("evidences") else len(support)
-        tasks.append(QATask(task_id=f"{source}-{row['_id']}", question=row["question"], answers=(row["answer"],),
-                            supporting_ids=tuple(support), num_hops=num_hops, source=source))
+        tasks.append(qa_task(f"{source}-{row['_id']}", row["question"], [row["answer"]], supporting_ids=support,
+                             num_hops=num_hops, source=source))
     return tasks, list(passages.values())
 
 
-def load_musique(path: str | Path, limit: int | None = None, answerable_only: bool = True) -> tuple[list[QATask], list[dict]]:
+def load_musique(path: str | Path, limit: int | None = None, answerable_only: bool = True) -> tuple[list[Task], list[dict]]:
     """MuSiQue (ans / full, JSONL): tasks and their paragraphs.
 
     Record: {"id", "paragraphs": [{"idx", "title", "paragraph_text", "is_supporting"}], "question",
@@ -364,8 +360,8 @@ def load_musique(path: str | Path, limit: int | None = None, answerable_only: bo
             if para.get("is_supporting"):
                 support.append(pid)
         answers = (row["answer"], *row.get("answer_aliases", []))
-        tasks.append(QATask(task_id=f"musique-{row['id']}", question=row["question"], answers=answers,
-                            supporting_ids=tuple(support), num_hops=len(row["question_decomposition"]), source="musique"))
+        tasks.append(qa_task(f"musique-{row['id']}", row["question"], answers, supporting_ids=support,
+                             num_hops=len(row["question_decomposition"]), source="musique"))
         if limit is not None and len(tasks) >= limit:
             break
     return tasks, list(passages.values())

@@ -1,4 +1,4 @@
-"""Task sets: where a run's training stream, held-out set and search corpus come from.
+"""Task sets: where a run's training stream, held-out set and files for the built-in services come from.
 
 One registry of loaders, used by `agentrl train`, `agentrl eval` and `agentrl rollout` alike:
 
@@ -10,45 +10,67 @@ One registry of loaders, used by `agentrl train`, `agentrl eval` and `agentrl ro
 
 A loader is `load(options, workdir) -> TaskSet`, with `options` an instance of its `Options`
 dataclass (declared as the function's `Options` attribute; built from `[tasks.options]` with the
-same strict checks as every config). Built-in loaders:
+same strict checks as every config; a loader without `Options` takes none). Built-in loaders:
 
 - "synthetic": the seeded multi-hop world of `tasks.py` (corpus written to `workdir`), held-out
   questions of the world's held-out split, and a training stream that follows a curriculum of hop
   counts by learner version.
 - "datasets": HotpotQA / 2WikiMultihopQA / MuSiQue files in their published formats
   (`train_files`, `eval_files`) and a passage corpus JSONL (`corpus`) for the search service.
+- "jsonl": generic tasks, one JSON object per line ({"id", "prompt" or "messages", "reference",
+  "metadata"}: engine/task.py), a file per split.
+- "hf_datasets": a Hugging Face `datasets` folder written by `save_to_disk` (a DatasetDict with
+  train and held-out splits), columns mapped to the task fields. Nothing is fetched from a hub.
 
 `TaskSet.train_stream(version)` yields training tasks forever; `version()` is the learner's
-current version, read each time a task is drawn, so a curriculum can follow training.
+current version, read each time a task is drawn, so a curriculum can follow training. Tasks are
+checked when the set is built (ids unique, fields typed), so a malformed file names the task and
+the field before any server starts.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.common.config import ConfigError, Origins, build, config_dataclass
+from agentrl.common.config import ConfigError, Origins, config_dataclass
 from agentrl.engine import tasks as T
-from agentrl.engine.tasks import QATask
+from agentrl.engine.plugins import build_options, resolve
+from agentrl.engine.task import Task, TaskError, check_unique_ids
 
 
 @dataclass
 class TaskSet:
-    heldout: list[QATask]
+    heldout: list[Task]
     """Evaluated before, during and after training (greedy)."""
-    train_pool: Callable[[Callable[[], int]], Iterator[QATask]]
+    train_pool: Callable[[Callable[[], int]], Iterator[Task]]
     """`train_pool(version)` -> training tasks forever (see `train_stream`)."""
     corpus: Path | None = None
-    """Passage JSONL ({"id","title","text"}) the search service serves, when the tasks need one."""
-    gold: Callable[..., list[QATask]] | None = None
-    """`gold(num, seed, hops)` -> training tasks with gold queries (SFT demonstrations); None: none."""
+    """Passage JSONL ({"id","title","text"}) for the built-in search service, when the tasks need one."""
+    demonstration_pool: Callable[[int], list[Task]] | None = None
+    """`demonstration_pool(num)` -> the training tasks the SFT cold start demonstrates; None: the
+    first `num` tasks of the training stream at version 0."""
 
-    def train_stream(self, version: Callable[[], int]) -> Iterator[QATask]:
+    def train_stream(self, version: Callable[[], int]) -> Iterator[Task]:
         return self.train_pool(version)
+
+    def demonstration_tasks(self, num: int) -> list[Task]:
+        if self.demonstration_pool is not None:
+            return self.demonstration_pool(num)
+        return list(itertools.islice(self.train_stream(lambda: 0), num))
+
+
+def _cycled(tasks: list[Task], what: str) -> Callable[[Callable[[], int]], Iterator[Task]]:
+    def pool(version: Callable[[], int]) -> Iterator[Task]:
+        if not tasks:
+            raise ValueError(f"the task set has no {what}: it can evaluate, not train")
+        return itertools.cycle(tasks)
+
+    return pool
 
 
 # ---------------------------------------------------------------- the synthetic world
@@ -77,16 +99,15 @@ class SyntheticOptions:
     curriculum: list[CurriculumStage] = field(
         default_factory=lambda: [CurriculumStage(hops=[1], until_version=6), CurriculumStage(hops=[1, 2])])
     """Stages of training hop counts, in order; the last has no `until_version`."""
+    demonstration_hops: list[int] = field(default_factory=lambda: [1, 2])
+    """Hop counts of the training questions the SFT cold start demonstrates."""
 
     def __post_init__(self) -> None:
-        bad = [h for h in self.heldout_hops if h not in (1, 2, 3, 4)]
-        if bad:
-            raise ValueError(f"heldout_hops: hop counts must be 1-4, got {bad}")
-        bad = [h for s in self.curriculum for h in s.hops if h not in (1, 2, 3, 4)]
-        if bad:
-            raise ValueError(f"curriculum: hop counts must be 1-4, got {bad}")
-        if not self.curriculum:
-            raise ValueError("curriculum: needs at least one stage")
+        for name, hops in (("heldout_hops", self.heldout_hops), ("demonstration_hops", self.demonstration_hops),
+                           ("curriculum", [h for s in self.curriculum for h in s.hops])):
+            bad = [h for h in hops if h not in (1, 2, 3, 4)]
+            if bad or not hops:
+                raise ValueError(f"{name}: hop counts must be 1-4 (and at least one), got {hops}")
         if self.curriculum[-1].until_version is not None:
             raise ValueError("curriculum: the last stage must not set until_version (it runs to the end)")
 
@@ -98,7 +119,7 @@ def load_synthetic(options: SyntheticOptions, workdir: Path) -> TaskSet:
     pools = [world.questions("train", hops=s.hops, num=min(options.num_train, world.num_questions("train", s.hops)),
                              seed=options.seed + i) for i, s in enumerate(stages)]
 
-    def train_pool(version: Callable[[], int]) -> Iterator[QATask]:
+    def train_pool(version: Callable[[], int]) -> Iterator[Task]:
         cursors = [0] * len(pools)
         while True:
             v = version()
@@ -106,17 +127,17 @@ def load_synthetic(options: SyntheticOptions, workdir: Path) -> TaskSet:
             yield pools[stage][cursors[stage] % len(pools[stage])]
             cursors[stage] += 1
 
-    def gold(num: int, seed: int, hops: list[int] | None = None) -> list[QATask]:
-        return world.questions("train", hops=hops or sorted({h for s in stages for h in s.hops}), num=num,
-                               seed=options.seed + seed)
+    def demonstration_pool(num: int) -> list[Task]:
+        return world.questions("train", hops=options.demonstration_hops, num=num, seed=options.seed + 100)
 
-    return TaskSet(heldout=heldout, train_pool=train_pool, corpus=world.write_corpus(workdir / "corpus.jsonl"), gold=gold)
+    return TaskSet(heldout=heldout, train_pool=train_pool, corpus=world.write_corpus(workdir / "corpus.jsonl"),
+                   demonstration_pool=demonstration_pool)
 
 
 load_synthetic.Options = SyntheticOptions
 
 
-# ---------------------------------------------------------------- published datasets
+# ---------------------------------------------------------------- published QA datasets
 
 
 @config_dataclass
@@ -141,13 +162,13 @@ class DatasetsOptions:
 
     def __post_init__(self) -> None:
         if not self.eval_files:
-            raise ValueError("the datasets loader needs eval_files ([[tasks.options.eval_files]] tables)")
+            raise ValueError("eval_files: the datasets loader needs at least one ([[tasks.options.eval_files]] tables)")
 
 
 _FORMATS = {"hotpotqa": T.load_hotpotqa, "2wikimultihopqa": T.load_2wikimultihopqa, "musique": T.load_musique}
 
 
-def _read_files(files: list[DatasetFile]) -> tuple[list[QATask], list[dict]]:
+def _read_files(files: list[DatasetFile]) -> tuple[list[Task], list[dict]]:
     tasks, passages = [], []
     for f in files:
         more, rows = _FORMATS[f.format](f.path, limit=f.limit)
@@ -159,12 +180,6 @@ def _read_files(files: list[DatasetFile]) -> tuple[list[QATask], list[dict]]:
 def load_datasets(options: DatasetsOptions, workdir: Path) -> TaskSet:
     heldout, passages = _read_files(options.eval_files)
     train, train_passages = _read_files(options.train_files)
-
-    def train_pool(version: Callable[[], int]) -> Iterator[QATask]:
-        if not train:
-            raise ValueError("the datasets loader has no train_files: it can evaluate, not train")
-        return itertools.cycle(train)
-
     if options.corpus:
         corpus = Path(options.corpus)
         if not corpus.is_file():
@@ -174,52 +189,155 @@ def load_datasets(options: DatasetsOptions, workdir: Path) -> TaskSet:
         for p in [*passages, *train_passages]:
             seen.setdefault(p["id"], p)
         corpus = T.write_passages(seen.values(), workdir / "contexts.jsonl")
-    return TaskSet(heldout=heldout, train_pool=train_pool, corpus=corpus)
+    return TaskSet(heldout=heldout, train_pool=_cycled(train, "train_files"), corpus=corpus)
 
 
 load_datasets.Options = DatasetsOptions
 
 
+# ---------------------------------------------------------------- generic tasks
+
+
+@config_dataclass
+class JsonlOptions:
+    train: str = ""
+    """JSONL of training tasks (cycled); empty: evaluation only."""
+    heldout: str = ""
+    """JSONL of held-out tasks."""
+    corpus: str = ""
+    """Passage JSONL for the built-in search service, if the tasks use it."""
+    heldout_limit: int | None = None
+    """Evaluate only the first N held-out tasks."""
+
+    def __post_init__(self) -> None:
+        if not self.heldout:
+            raise ValueError("heldout: the jsonl loader needs a held-out file")
+
+
+def read_task_file(path: str | Path, limit: int | None = None) -> list[Task]:
+    """Tasks of a JSONL file (one object per line; engine/task.py); TaskError naming path:line and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"{path}: no such task file")
+    tasks = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TaskError(f"{path}:{number}: not JSON ({err})") from None
+        tasks.append(Task.from_json(obj, f"{path}:{number}"))
+        if limit is not None and len(tasks) >= limit:
+            break
+    check_unique_ids(tasks, str(path))
+    return tasks
+
+
+def load_jsonl(options: JsonlOptions, workdir: Path) -> TaskSet:
+    heldout = read_task_file(options.heldout, options.heldout_limit)
+    train = read_task_file(options.train) if options.train else []
+    return TaskSet(heldout=heldout, train_pool=_cycled(train, "train file"), corpus=Path(options.corpus) if options.corpus else None)
+
+
+load_jsonl.Options = JsonlOptions
+
+
+@config_dataclass
+class HFDatasetsOptions:
+    path: str
+    """A folder written by `datasets.DatasetDict.save_to_disk` (or `Dataset.save_to_disk` for one split)."""
+    train_split: str = "train"
+    """The split trained on ("" for none)."""
+    heldout_split: str = "test"
+    """The split evaluated."""
+    id_field: str = "id"
+    """Column holding the task id (absent: the row index, as "<split>-<i>")."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (a string) or the messages (a list of {"role","content"})."""
+    reference_field: str = "reference"
+    """Column holding what the environment scores against."""
+    metadata_fields: list[str] = field(default_factory=list)
+    """Columns copied into the task's metadata."""
+    heldout_limit: int | None = None
+    """Evaluate only the first N held-out rows."""
+
+
+def load_hf_datasets(options: HFDatasetsOptions, workdir: Path) -> TaskSet:
+    import datasets  # the `datasets` package: only this loader needs it
+
+    folder = Path(options.path)
+    if not folder.is_dir():
+        raise TaskError(f"[tasks.options] path: no such folder {folder}")
+    loaded = datasets.load_from_disk(str(folder))
+    splits = loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({options.heldout_split: loaded})
+
+    def rows(split: str, limit: int | None) -> list[Task]:
+        if split not in splits:
+            raise TaskError(f"{folder}: no split {split!r}; it has {sorted(splits)}")
+        data = splits[split]
+        missing = [c for c in (options.prompt_field, options.reference_field, *options.metadata_fields) if c not in data.column_names]
+        if missing:
+            raise TaskError(f"{folder} split {split!r}: no column(s) {missing}; it has {data.column_names}")
+        out = []
+        for i, row in enumerate(data):
+            if limit is not None and i >= limit:
+                break
+            prompt = row[options.prompt_field]
+            obj: dict[str, Any] = {"id": row.get(options.id_field, f"{split}-{i}"), "reference": row[options.reference_field],
+                                   "metadata": {k: row[k] for k in options.metadata_fields}}
+            obj["messages" if isinstance(prompt, list) else "prompt"] = prompt
+            out.append(Task.from_json(obj, f"{folder} split {split!r} row {i}"))
+        check_unique_ids(out, f"{folder} split {split!r}")
+        return out
+
+    train = rows(options.train_split, None) if options.train_split else []
+    return TaskSet(heldout=rows(options.heldout_split, options.heldout_limit), train_pool=_cycled(train, "train split"))
+
+
+load_hf_datasets.Options = HFDatasetsOptions
+
+
 # ---------------------------------------------------------------- the registry
 
 
-LOADERS: dict[str, Callable[..., TaskSet]] = {"synthetic": load_synthetic, "datasets": load_datasets}
+LOADERS: dict[str, Callable[..., TaskSet]] = {"synthetic": load_synthetic, "datasets": load_datasets, "jsonl": load_jsonl,
+                                             "hf_datasets": load_hf_datasets}
 
 
 @config_dataclass
 class TasksConfig:
     loader: str = "synthetic"
-    """A built-in loader (synthetic, datasets) or "package.module:function" (module docstring)."""
+    """A built-in loader (synthetic, datasets, jsonl, hf_datasets) or "package.module:function"."""
     options: dict[str, Any] = field(default_factory=dict)
     """The loader's options ([tasks.options]), checked against its `Options` dataclass."""
 
 
 def resolve_loader(name: str) -> Callable[..., TaskSet]:
-    """The loader function for a registry name or a "package.module:function" path."""
-    if name in LOADERS:
-        return LOADERS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"tasks.loader: {name!r} is neither a built-in loader ({', '.join(LOADERS)}) "
-                          "nor a 'package.module:function' path")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"tasks.loader: cannot import {module_name!r}: {err}") from None
-    fn = getattr(module, attr, None)
+    fn = resolve(name, "tasks.loader", LOADERS)
     if not callable(fn):
-        raise ConfigError(f"tasks.loader: {module_name!r} has no function {attr!r}")
+        raise ConfigError(f"tasks.loader: {name!r} is not a function")
     return fn
 
 
 def loader_options(config: TasksConfig, *, origins: Origins | None = None, source: str = "config") -> Any:
     """The loader's options, validated (a ConfigError names tasks.options.KEY and where it was set)."""
-    options_type = getattr(resolve_loader(config.loader), "Options", None)
-    if options_type is None:
-        return dict(config.options)
-    return build(options_type, config.options, origins=origins, default_source=source, prefix=("tasks", "options"))
+    return build_options(resolve_loader(config.loader), config.options, "tasks.options", origins=origins, source=source)
 
 
 def load_taskset(config: TasksConfig, workdir: Path) -> TaskSet:
+    """The task set (a loader that fails or returns malformed tasks raises TaskError / ValueError
+    naming the task and field)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    return resolve_loader(config.loader)(loader_options(config), workdir)
+    fn = resolve_loader(config.loader)
+    options = loader_options(config)
+    taskset = fn(options, workdir) if options is not None else fn(workdir)
+    if not isinstance(taskset, TaskSet):
+        raise TaskError(f"tasks.loader {config.loader!r} returned {type(taskset).__name__}, not a TaskSet")
+    for i, task in enumerate(taskset.heldout):
+        if not isinstance(task, Task):
+            raise TaskError(f"tasks.loader {config.loader!r}: held-out task {i} is a {type(task).__name__}, not a Task")
+    check_unique_ids(taskset.heldout, f"the held-out tasks of {config.loader!r}")
+    if not taskset.heldout:
+        raise TaskError(f"tasks.loader {config.loader!r} returned no held-out tasks")
+    return taskset

@@ -61,16 +61,36 @@ class Tool(ABC):
 class FunctionTool(Tool):
     """A Python callable as a tool: `fn(**arguments)` returns the content; an exception is a failed
     result whose message the model sees (the callable's own bug is the tool's failure, not the
-    episode's)."""
+    episode's). A coroutine function is awaited on the loop; a plain function runs on a worker
+    thread when `threaded` (the default for `from_function`: a slow user function must not stall
+    thousands of episodes on the orchestrator's loop), else inline."""
 
-    def __init__(self, name: str, description: str, parameters: dict, fn: Callable[..., Any | Awaitable[Any]], *, idempotent: bool = True):
+    def __init__(self, name: str, description: str, parameters: dict, fn: Callable[..., Any | Awaitable[Any]], *,
+                 idempotent: bool = True, threaded: bool = False):
         self.name, self.description, self.parameters, self.idempotent = name, description, parameters, idempotent
         self._fn = fn
+        self._threaded = threaded and not inspect.iscoroutinefunction(fn)
+
+    @classmethod
+    def from_function(cls, fn: Callable, *, name: str | None = None, description: str | None = None,
+                      parameters: dict | None = None) -> FunctionTool:
+        """A tool from a function; its schema from type hints and docstring unless given
+        (agentrl.toolservers.functions.function_schema; SchemaError names what is missing)."""
+        from agentrl.toolservers.functions import function_schema
+
+        if parameters is None or description is None:
+            auto_description, auto_parameters = function_schema(fn)
+            description, parameters = description or auto_description, parameters or auto_parameters
+        return cls(name or fn.__name__, description, parameters, fn, threaded=True)
 
     async def execute(self, arguments: dict, timeout_s: float | None = None) -> ToolResult:
         start = time.perf_counter()
         try:
-            out = self._fn(**arguments)
+            if self._threaded:
+                call = asyncio.to_thread(self._fn, **arguments)
+                out = await asyncio.wait_for(call, timeout_s) if timeout_s else await call
+            else:
+                out = self._fn(**arguments)
             if inspect.isawaitable(out):
                 out = await asyncio.wait_for(out, timeout_s) if timeout_s else await out
         except TimeoutError:
@@ -78,6 +98,19 @@ class FunctionTool(Tool):
         except Exception as err:  # noqa: BLE001 - any failure of user code is reported to the model as the tool's result
             return ToolResult(None, False, time.perf_counter() - start, f"{type(err).__name__}: {err}")
         return ToolResult(out, True, time.perf_counter() - start)
+
+
+class FinishTool(Tool):
+    """The `finish` tool of an environment with `EnvConfig.finish_tool`: listed to the model with
+    the environment's schema; a valid call ends the episode (its arguments are the answer) before
+    any tool runs, so `execute` only answers a call that did not validate."""
+
+    def __init__(self, name: str, parameters: dict):
+        self.name, self.parameters = name, parameters
+        self.description = "Finish the task: call it once, with the result as its arguments."
+
+    async def execute(self, arguments: dict, timeout_s: float | None = None) -> ToolResult:
+        return ToolResult(None, False, 0.0, f"{self.name} ends the episode only with arguments that match its schema")
 
 
 SEARCH_PARAMETERS = {

@@ -120,7 +120,7 @@ BAD = [
     ('[env]\nmax_total_tokens = 8192\n[learner.trainer]\nmax_row_tokens = 8192\n', [],
      r"env.max_total_tokens: 8192 is longer than the server's services.max_model_len = 4096"),
     ('[tasks]\nloader = "no_such_module:load"\n', [], r"tasks.loader: cannot import 'no_such_module'"),
-    ('[tasks]\nloader = "websearch"\n', [], r"tasks.loader: 'websearch' is neither a built-in loader"),
+    ('[tasks]\nloader = "websearch"\n', [], r"tasks.loader: 'websearch' is neither a built-in \(synthetic, datasets, jsonl, hf_datasets\) nor"),
     ('[tasks.options]\nheldout_numm = 3\n', [], r"tasks.options.heldout_numm: unknown key; accepted keys here: seed"),
     ('[tasks.options]\nheldout_hops = [7]\n', [], r"hop counts must be 1-4"),
     ("minutes = [\n", [], r"bad.toml: not valid TOML"),

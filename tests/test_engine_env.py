@@ -13,7 +13,8 @@ from agentrl.common.trajectory import TrajectoryGroup, decode_group, encode_grou
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
-from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_gold_trajectory, run_episode
+from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_demonstration, run_episode
+from agentrl.engine.qa import MultiHopQAEnv
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import FunctionTool, LocalSearchTool, ToolUnavailable
 
@@ -51,7 +52,7 @@ def world_tasks():
 
 
 def make_env(chat, world, **config) -> ToolEnv:
-    env = ToolEnv(chat, EnvConfig(**config))
+    env = MultiHopQAEnv(chat, EnvConfig(**config))
     env.register_tool(LocalSearchTool(world.passages))
     env.register_tool(FunctionTool("boom", "always fails", {"type": "object", "properties": {}}, lambda: 1 / 0))
 
@@ -90,11 +91,11 @@ async def test_malformed_corpus_never_crashes_and_is_penalised(chat, world_tasks
 async def test_gold_trajectory_decodes_to_conversation_and_masks_actions(chat, world_tasks):
     world, tasks = world_tasks
     env = make_env(chat, world, max_turns=5)
-    task = next(t for t in tasks if t.num_hops >= 2)
-    traj = await build_gold_trajectory(env, task)
-    assert traj.status == "ok" and traj.task_reward == 1.0 and len(traj.turns) == task.num_hops + 1
+    task = next(t for t in tasks if t.metadata["num_hops"] >= 2)
+    traj = await build_demonstration(env, task)
+    assert traj.status == "ok" and traj.task_reward == 1.0 and len(traj.turns) == task.metadata["num_hops"] + 1
     text = chat.decode(traj.token_ids.tolist())
-    for pid in task.supporting_ids:  # the real corpus passages came back through the search tool
+    for pid in task.metadata["supporting_ids"]:  # the real corpus passages came back through the search tool
         assert next(p["text"] for p in world.passages if p["id"] == pid) in text
     ids = traj.token_ids.tolist()
     for turn in traj.turns:
@@ -112,7 +113,7 @@ def test_short_prompt_options_list_every_tool_and_drop_the_example(chat, world_t
     long_state, short_state = long_env.reset(tasks[0]), short_env.reset(tasks[0])
     assert "Brimbell Optics" in chat.decode(long_state.token_ids)  # the worked example
     short_text = chat.decode(short_state.token_ids)
-    assert "Brimbell Optics" not in short_text and short_text.endswith(f"Question: {tasks[0].question}<|im_end|>\n<|im_start|>assistant\n")
+    assert "Brimbell Optics" not in short_text and short_text.endswith(f"Question: {tasks[0].prompt}<|im_end|>\n<|im_start|>assistant\n")
     assert "search(query: string, top_k?: integer): " in short_text and "boom(): always fails" in short_text
     assert short_state.prompt_len < long_state.prompt_len - 200
     with pytest.raises(ValueError, match="tool_list"):
@@ -123,13 +124,13 @@ async def test_cut_after_answer_keeps_exact_prefix_of_generated_ids(chat, world_
     world, tasks = world_tasks
     env = make_env(chat, world)
     state = env.reset(tasks[0])
-    ids = chat.encode("<answer>" + tasks[0].answers[0] + "</answer> and then some rambling text")
+    ids = chat.encode("<answer>" + tasks[0].reference[0] + "</answer> and then some rambling text")
     logprobs = [-0.1 * (i + 1) for i in range(len(ids))]
     await env.step(state, Generation(ids, logprobs, "length", [7] * len(ids), "x"))
     traj = state.to_trajectory("g", 0)
     kept = traj.token_ids[traj.prompt_len:].tolist()
     assert kept == ids[: len(kept)] and len(kept) < len(ids)
-    assert chat.decode(kept).startswith("<answer>" + tasks[0].answers[0] + "</answer>")
+    assert chat.decode(kept).startswith("<answer>" + tasks[0].reference[0] + "</answer>")
     assert traj.behavior_logprobs[traj.prompt_len:].tolist() == pytest.approx(logprobs[: len(kept)])
     assert traj.task_reward == 1.0 and set(traj.policy_versions[traj.is_action.astype(bool)]) == {7}
 

@@ -8,10 +8,11 @@ import asyncio
 import pytest
 
 from agentrl.engine.chat import ChatFormat
-from agentrl.engine.env import EnvConfig, ToolEnv
+from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.pool import ServerPool
+from agentrl.engine.qa import MultiHopQAEnv
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import LocalSearchTool
 
@@ -22,7 +23,7 @@ async def test_killed_server_loses_no_episode(vllm_server, tokenizer, model_dir,
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
     world, tasks = synthetic_tasks(num=6, config=SyntheticQAConfig(num_companies=50))
-    env = ToolEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
+    env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
     env.register_tool(LocalSearchTool(world.passages))
     doomed = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), max_model_len=2048, gpu_memory_utilization=0.2),
                         log_path=tmp_path / "doomed.log")

@@ -16,6 +16,7 @@ from agentrl.common.transport import GroupReceiver, GroupSender, VersionPublishe
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
+from agentrl.engine.qa import MultiHopQAEnv
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import LocalSearchTool
 
@@ -29,7 +30,7 @@ def endpoint() -> str:
 @pytest.fixture(scope="module")
 def env_tasks():
     world, tasks = synthetic_tasks(num=12, config=SyntheticQAConfig(num_companies=40))
-    env = ToolEnv(ChatFormat(AutoTokenizer.from_pretrained(prepare_model())), EnvConfig(max_turns=2))
+    env = MultiHopQAEnv(ChatFormat(AutoTokenizer.from_pretrained(prepare_model())), EnvConfig(max_turns=2))
     env.register_tool(LocalSearchTool(world.passages))
     return env, tasks
 

@@ -42,10 +42,10 @@ def test_synthetic_world_is_deterministic_and_answerable_from_its_passages():
     by_id = {p["id"]: p for p in a.passages}
     assert len(by_id) == len(a.passages)
     for task in qa:
-        assert len(task.supporting_ids) == task.num_hops == len(task.gold_queries)
+        assert len(task.metadata["supporting_ids"]) == task.metadata["num_hops"] == len(task.metadata["gold_queries"])
         # The answer is stated in the last supporting passage, and each hop's passage names the next entity.
-        assert task.answers[0] in by_id[task.supporting_ids[-1]]["text"]
-        for prev, nxt in zip(task.supporting_ids, task.supporting_ids[1:], strict=False):
+        assert task.reference[0] in by_id[task.metadata["supporting_ids"][-1]]["text"]
+        for prev, nxt in zip(task.metadata["supporting_ids"], task.metadata["supporting_ids"][1:], strict=False):
             assert by_id[nxt]["title"] in by_id[prev]["text"]
 
 
@@ -53,12 +53,12 @@ def test_synthetic_difficulty_and_disjoint_splits():
     world = SyntheticWorld.generate(SyntheticQAConfig(seed=0, num_companies=60))
     for hops in (1, 2, 3, 4):
         tasks = world.questions("train", hops=(hops,), num=10)
-        assert {t.num_hops for t in tasks} == {hops}
+        assert {t.metadata["num_hops"] for t in tasks} == {hops}
     train = world.questions("train", num=300)
     heldout = world.questions("heldout", num=60)
     assert not {t.task_id for t in train} & {t.task_id for t in heldout}
     # No held-out question starts from the entity a training question starts from.
-    assert not {t.supporting_ids[0] for t in train} & {t.supporting_ids[0] for t in heldout}
+    assert not {t.metadata["supporting_ids"][0] for t in train} & {t.metadata["supporting_ids"][0] for t in heldout}
     with pytest.raises(ValueError, match="num_companies"):
         world.questions("heldout", num=10_000)
     with pytest.raises(ValueError, match="hops"):
@@ -75,26 +75,26 @@ def test_synthetic_corpus_jsonl(tmp_path):
 
 def test_hotpotqa_loader():
     tasks, passages = load_hotpotqa(FIXTURES / "hotpotqa_dev_fixture.json")
-    assert [t.answers for t in tasks] == [("yes",), ("Chief of Protocol",)]
-    assert tasks[1].supporting_ids == ("wiki-kiss-and-tell-1945-film", "wiki-shirley-temple")
-    assert tasks[1].num_hops == 2
+    assert [tuple(t.reference) for t in tasks] == [("yes",), ("Chief of Protocol",)]
+    assert tuple(tasks[1].metadata["supporting_ids"]) == ("wiki-kiss-and-tell-1945-film", "wiki-shirley-temple")
+    assert tasks[1].metadata["num_hops"] == 2
     ids = {p["id"] for p in passages}
-    assert set(tasks[1].supporting_ids) <= ids
+    assert set(tasks[1].metadata["supporting_ids"]) <= ids
     shirley = next(p for p in passages if p["title"] == "Shirley Temple")
     assert "Chief of Protocol" in shirley["text"]
 
 
 def test_2wiki_loader_counts_hops_from_evidences():
     tasks, passages = load_2wikimultihopqa(FIXTURES / "2wikimultihopqa_dev_fixture.json")
-    assert tasks[0].answers == ("Małgorzata Braunek",) and tasks[0].num_hops == 2
+    assert tuple(tasks[0].reference) == ("Małgorzata Braunek",) and tasks[0].metadata["num_hops"] == 2
     assert len(passages) == 2
 
 
 def test_musique_loader_skips_unanswerable_and_keeps_aliases():
     tasks, passages = load_musique(FIXTURES / "musique_ans_dev_fixture.jsonl")
     assert len(tasks) == 1
-    assert tasks[0].answers == ("Miquette Giraudy", "Miquette") and tasks[0].num_hops == 2
-    assert tasks[0].supporting_ids == ("musique-2hop__460946_294723-1", "musique-2hop__460946_294723-2")
+    assert tuple(tasks[0].reference) == ("Miquette Giraudy", "Miquette") and tasks[0].metadata["num_hops"] == 2
+    assert tuple(tasks[0].metadata["supporting_ids"]) == ("musique-2hop__460946_294723-1", "musique-2hop__460946_294723-2")
     assert len(load_musique(FIXTURES / "musique_ans_dev_fixture.jsonl", answerable_only=False)[0]) == 2
 
 

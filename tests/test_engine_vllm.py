@@ -17,6 +17,7 @@ from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.pool import ServerPool
+from agentrl.engine.qa import MultiHopQAEnv
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import remote_tools
 
@@ -41,7 +42,7 @@ def search_service(world_tasks, tmp_path_factory):
 
 
 async def make_env(tokenizer, search_service, client, **config) -> ToolEnv:
-    env = ToolEnv(ChatFormat(tokenizer), EnvConfig(**config))
+    env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(**config))
     for tool in await remote_tools(client):
         env.register_tool(tool)
     return env

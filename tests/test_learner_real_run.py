@@ -35,10 +35,11 @@ async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_
     from agentrl.common.transport import GroupSender, VersionSubscriber
     from agentrl.common.weights import push_weights
     from agentrl.engine.chat import ChatFormat
-    from agentrl.engine.env import EnvConfig, ToolEnv
+    from agentrl.engine.env import EnvConfig
     from agentrl.engine.episode import SamplingConfig
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
     from agentrl.engine.pool import ServerPool
+    from agentrl.engine.qa import MultiHopQAEnv
     from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import remote_tools
     from agentrl.toolservers.client import ToolClient
@@ -92,7 +93,7 @@ lr = 1e-5
             await sender.send(group)
 
         async with ToolClient([search.endpoint]) as tools, ServerPool([vllm_server.base_url]) as pool:
-            env = ToolEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
+            env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
             for tool in await remote_tools(tools):
                 env.register_tool(tool)
             orch = Orchestrator(env, pool.generate, sink,

@@ -38,12 +38,13 @@ def test_status_line_reads_the_run_files(tmp_path):
     progress = Progress(tmp_path, LoggingConfig(tensorboard=False), stream=io.StringIO())
     progress.phase = "rl"
     progress.deadline = time.monotonic() + 600
-    progress.log_eval({"label": "sft", "em": 0.302, "f1": 0.4, "served_version": 12, "eval_s": 40.0})
+    progress.log_eval({"label": "sft", "score": 0.302, "score_metric": "em", "em": 0.302, "f1": 0.4, "served_version": 12,
+                       "eval_s": 40.0})
     line = progress.status_line()
     assert " rl | step 7 | 412 episodes | " in line
     # Mean over the last 5 complete records (steps 3-7): reward 0.5, calls 1.5; the cut line is skipped.
     assert "task reward 0.50, 1.5 calls/episode (last 5 steps)" in line
-    assert "held-out EM 0.302 (sft)" in line
+    assert "held-out em 0.302 (sft)" in line
     assert re.search(r"\| (10\.0|9\.9) min left$", line), line
 
 
@@ -64,7 +65,8 @@ def test_status_lines_on_schedule_and_scores_in_tensorboard(tmp_path):
         progress = Progress(tmp_path, LoggingConfig(status_every_s=0.3), stream=stream)
         progress.start_loop()
         progress.set_phase("rl")
-        progress.log_eval({"label": "rl", "em": 0.25, "f1": 0.5, "em_2hop": 0.1, "served_version": 30, "eval_s": 9.0})
+        progress.log_eval({"label": "rl", "score": 0.25, "score_metric": "em", "em": 0.25, "f1": 0.5, "em_2hop": 0.1,
+                           "served_version": 30, "eval_s": 9.0})
         await asyncio.sleep(2.0)
         await progress.close()
 
@@ -81,7 +83,7 @@ def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     progress = Progress(tmp_path, LoggingConfig(tensorboard=False, wandb=True, wandb_mode="offline"), {"minutes": 1.0},
                         stream=io.StringIO())
-    progress.log_eval({"label": "final", "em": 0.4, "f1": 0.5, "served_version": 3, "eval_s": 1.0})
+    progress.log_eval({"label": "final", "score": 0.4, "score_metric": "em", "served_version": 3, "eval_s": 1.0})
     asyncio.run(progress.close())
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

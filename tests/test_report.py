@@ -21,14 +21,20 @@ def test_paired_comparison_counts_discordant_questions_and_sign_test():
 
 
 def test_report_states_the_paired_comparison(tmp_path):
-    phases = {"baseline": {"base_tool_call": {"em": 0.0, "f1": 0.0, "n": 4, "served_version": 0}},
-              "sft": {"em": 0.25, "f1": 0.25, "n": 4, "served_version": 12},
-              "final": {"em": 0.75, "f1": 0.75, "n": 4, "served_version": 30}}
+    def summary(score, version, by):
+        return {"score": score, "score_metric": "em", "em": score, "f1": score, "n": 4, "served_version": version,
+                "by_num_hops": {"1": {"score": by[0], "n": 2}, "2": {"score": by[1], "n": 2}}}
+
+    phases = {"baseline": {"base_tool_call": summary(0.0, 0, (0.0, 0.0))},
+              "sft": summary(0.25, 12, (0.5, 0.0)), "final": summary(0.75, 30, (1.0, 0.5))}
     (tmp_path / "phases.json").write_text(json.dumps(phases))
     (tmp_path / "evals").mkdir()
     for label, version, ems in (("sft", 12, [1, 0, 0, 0]), ("final", 30, [1, 1, 1, 0])):
         (tmp_path / "evals" / f"{label}-v{version}.jsonl").write_text(
-            "".join(json.dumps({"task_id": f"q{i}", "em": float(em)}) + "\n" for i, em in enumerate(ems)))
+            "".join(json.dumps({"task_id": f"q{i}", "score": float(em)}) + "\n" for i, em in enumerate(ems)))
     text = write_report(tmp_path).read_text()
-    assert "EM gain of the RL phase over the SFT-only checkpoint: **+0.500**" in text
+    assert "em gain of the RL phase over the SFT-only checkpoint: **+0.500**" in text
+    # the score by hop count, per policy
+    assert "| policy | em | f1 | em num_hops=1 | em num_hops=2 |" in text
+    assert "| After RL (final) | 0.750 | 0.750 | 1.000 (n=2) | 0.500 (n=2) |" in text
     assert "RL right where SFT was wrong 2, SFT right where RL is wrong 0" in text and "p = 0.5" in text

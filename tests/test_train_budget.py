@@ -18,7 +18,8 @@ from agentrl.train import (
 
 
 def _summary(label: str, eval_s: float) -> dict:
-    return {"label": label, "eval_s": eval_s, "em": 0.0, "f1": 0.0, "n": 4, "served_version": 0}
+    return {"label": label, "eval_s": eval_s, "score": 0.0, "score_metric": "em", "em": 0.0, "f1": 0.0, "n": 4,
+            "served_version": 0}
 
 
 def test_reserve_follows_the_latest_evaluation_that_had_the_server_to_itself():

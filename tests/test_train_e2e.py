@@ -60,7 +60,7 @@ train_embeddings = false
 max_row_tokens = 2048
 [eval]
 every_s = 100000.0
-naive_rag = false
+baselines = false
 """
 
 
@@ -125,7 +125,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     assert summary["optimizer_steps"] >= 2 + 2  # SFT steps + RL steps across the restart
     assert summary["episodes"] > 0
     assert Path(summary["report"]).is_file()
-    assert (out / "plots" / "heldout_em.png").is_file()
+    assert (out / "plots" / "heldout_score.png").is_file()
 
     # Exactly once in the surviving lineage: the last record written for each step (steps redone
     # after the restart overwrite the lost ones) lists each group id once, and they are the ledger's.

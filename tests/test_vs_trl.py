@@ -18,6 +18,7 @@ import pytest
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig, ToolEnv, format_content
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
+from agentrl.engine.qa import MultiHopQAEnv
 from agentrl.engine.tasks import SyntheticQAConfig, SyntheticWorld
 from agentrl.engine.tools import FunctionTool
 from agentrl.toolservers.search import SearchTool
@@ -42,7 +43,7 @@ def search(world):
 
 
 def _env(tokenizer, search, **prompt) -> ToolEnv:
-    env = ToolEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, max_action_tokens=96, max_total_tokens=3072, **prompt))
+    env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, max_action_tokens=96, max_total_tokens=3072, **prompt))
     spec = SearchTool.spec
     env.register_tool(FunctionTool(spec.name, spec.description, spec.parameters, lambda query, top_k=3: search(query, top_k)))
     return env
@@ -61,7 +62,7 @@ def test_prompt_text_and_ids_match_agentrl(tokenizer, world, search, prompt):
     agentrl_ids = env.reset(task).token_ids
     tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     tok.chat_template = G.CHAT_TEMPLATE
-    messages = G.prompt_messages(_prefix(env), task.question)
+    messages = G.prompt_messages(_prefix(env), task.prompt)
     assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == env.chat.decode(agentrl_ids)
     assert list(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]) == agentrl_ids
 
@@ -71,9 +72,9 @@ def _gold_call(query: str) -> str:
 
 
 EPISODES = {
-    "two searches then the right answer": lambda t: [_gold_call(t.gold_queries[0]), _gold_call(t.gold_queries[1]),
-                                                     f"<answer>{t.answers[0]}</answer>"],
-    "duplicate call, then a wrong answer": lambda t: [_gold_call(t.gold_queries[0]), _gold_call(t.gold_queries[0]),
+    "two searches then the right answer": lambda t: [_gold_call(t.metadata["gold_queries"][0]), _gold_call(t.metadata["gold_queries"][1]),
+                                                     f"<answer>{t.reference[0]}</answer>"],
+    "duplicate call, then a wrong answer": lambda t: [_gold_call(t.metadata["gold_queries"][0]), _gold_call(t.metadata["gold_queries"][0]),
                                                       "<answer>Nobody</answer>"],
     "bad JSON, unknown tool, bad arguments, no action": lambda t: [
         '<tool_call>{"name": "search", "arguments": {"query": </tool_call>',
@@ -82,11 +83,11 @@ EPISODES = {
         "I am not sure.",
         "<answer>unclosed"],
     "four calls in one turn (one over the limit), text after the answer": lambda t: [
-        "".join(_gold_call(f"{t.gold_queries[0]} {i}") for i in range(4)),
-        f"<answer>{t.answers[0]}</answer> and more text <answer>other</answer>"],
+        "".join(_gold_call(f"{t.metadata["gold_queries"][0]} {i}") for i in range(4)),
+        f"<answer>{t.reference[0]}</answer> and more text <answer>other</answer>"],
     "an imagined tool response after the call is cut": lambda t: [
-        _gold_call(t.gold_queries[0]) + "<tool_response>\n[1] made up\n</tool_response>",
-        f"<answer>{t.answers[0]}</answer>"],
+        _gold_call(t.metadata["gold_queries"][0]) + "<tool_response>\n[1] made up\n</tool_response>",
+        f"<answer>{t.reference[0]}</answer>"],
 }
 
 
@@ -100,7 +101,7 @@ def test_process_terms_and_em_match_agentrl_env(tokenizer, world, search, name):
     for turn in traj.turns:
         for term, value in turn.process_rewards.items():
             agentrl_terms[term] = agentrl_terms.get(term, 0.0) + value
-    score = A.score_turns(actions[: len(traj.turns)], list(task.answers))
+    score = A.score_turns(actions[: len(traj.turns)], list(task.reference))
     assert score.process_terms == pytest.approx(agentrl_terms)
     assert score.em == traj.metrics["em"]
 
@@ -112,7 +113,7 @@ def test_trl_completion_text_splits_into_agentrl_turns(tokenizer, world, search)
     tool = "<|im_start|>tool\n<tool_response>\n[1] A: b\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     text = f"{actions[0]}<|im_end|>\n{tool}{actions[1]}<|im_end|>\n{tool}{actions[2]}<|im_end|>"
     assert G.split_turns(text) == actions
-    assert A.score_turns(G.split_turns(text), list(task.answers)).em == 1.0
+    assert A.score_turns(G.split_turns(text), list(task.reference)).em == 1.0
 
 
 def test_tool_result_text_and_hits_match_the_search_service(world, search, tmp_path):
@@ -155,7 +156,7 @@ def test_agentrl_side_config_round_trips_through_the_train_cli_loader(tmp_path):
     path.write_text(dump_toml(config_data(config)))
     loaded = load_run_config(path).config
     assert loaded.services.tools == ["search"]
-    assert loaded.minutes == 2.5 and loaded.eval.every_s >= 1e9 and not loaded.eval.naive_rag
+    assert loaded.minutes == 2.5 and loaded.eval.every_s >= 1e9 and not loaded.eval.baselines
     assert loaded.orchestrator.group_size == config.orchestrator.group_size
 
 

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
+import pydantic.fields
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as _pydantic_dataclass
 
-CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_by_name=True, validate_by_alias=True)
 """The pydantic settings of every agentrl config dataclass."""
 
 KeyPath = tuple[str, ...]
@@ -223,7 +224,7 @@ def _field_type(tp: Any, name: str) -> Any:
     tp = _strip_optional(tp)
     if not dataclasses.is_dataclass(tp):
         return None
-    return _strip_optional(typing.get_type_hints(tp)[name])
+    return _strip_optional(typing.get_type_hints(tp)[_field_name(tp, name)])
 
 
 def _type_at(cls: type, key: KeyPath) -> Any:
@@ -237,8 +238,22 @@ def _type_at(cls: type, key: KeyPath) -> Any:
 
 
 def field_names(tp: Any) -> list[str]:
+    """The keys a config table of type `tp` accepts (a field's alias where it has one: env.class)."""
     tp = _strip_optional(tp)
-    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+    return [_alias(tp, f.name) for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+
+
+def _alias(tp: Any, name: str) -> str:
+    info = getattr(tp, "__pydantic_fields__", {}).get(name)
+    return info.alias if info is not None and info.alias else name
+
+
+def _field_name(tp: Any, key: str) -> str:
+    """The field a config key (or alias) names."""
+    for f in dataclasses.fields(tp):
+        if _alias(tp, f.name) == key:
+            return f.name
+    return key
 
 
 # ---------------------------------------------------------------- describing and writing
@@ -249,7 +264,7 @@ def describe(cls: type, prefix: str = "") -> Iterator[str]:
     hints = typing.get_type_hints(cls)
     infos = getattr(cls, "__pydantic_fields__", {})
     for f in dataclasses.fields(cls):
-        path = f"{prefix}{f.name}"
+        path = f"{prefix}{_alias(cls, f.name)}"
         tp = _strip_optional(hints[f.name])
         doc = (infos[f.name].description or "") if f.name in infos else ""
         doc = " ".join(doc.split())
@@ -266,7 +281,9 @@ def describe(cls: type, prefix: str = "") -> Iterator[str]:
 
 
 def _default_of(f: dataclasses.Field) -> str | None:
-    if f.default is not dataclasses.MISSING:
+    if isinstance(f.default, pydantic.fields.FieldInfo):  # a field declared with pydantic.Field (an alias)
+        value = f.default.get_default(call_default_factory=True)
+    elif f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
@@ -290,8 +307,11 @@ def _type_name(tp: Any) -> str:
 
 
 def to_dict(obj: Any) -> Any:
-    """A config as plain data (dataclasses -> dicts, tuples -> lists), ready for TOML or JSON."""
-    if dataclasses.is_dataclass(obj):
+    """A config as plain data (dataclasses -> dicts under their config keys, tuples -> lists), ready
+    for TOML or JSON."""
+    if hasattr(obj, "__pydantic_fields__") and not isinstance(obj, type):
+        obj = pydantic.TypeAdapter(type(obj)).dump_python(obj, by_alias=True)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = dataclasses.asdict(obj)
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}

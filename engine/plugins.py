@@ -1,0 +1,49 @@
+"""Plug-ins named in a config: environments, task loaders and function tools as "package.module:name".
+
+`resolve(path, key, builtins)` imports what a config names (or takes a built-in by name) and turns
+every way that can fail into a ConfigError naming the config key, so a bad name stops the run at
+start, before any server. `build_options(owner, data, key)` validates a plug-in's options table
+against the dataclass the plug-in declares as its `Options` attribute.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+from agentrl.common.config import ConfigError, Origins, build
+
+
+def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> Any:
+    """The object `path` names: a key of `builtins`, or "package.module:attribute"."""
+    builtins = builtins or {}
+    if path in builtins:
+        return builtins[path]
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        known = f"neither a built-in ({', '.join(builtins)}) nor" if builtins else "not"
+        raise ConfigError(f"{key}: {path!r} is {known} a 'package.module:name' path")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{key}: cannot import {module_name!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a user module that raises on import is reported, with its error
+        raise ConfigError(f"{key}: importing {module_name!r} raised {type(err).__name__}: {err}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key}: {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_options(owner: Any, data: dict, key: str, *, origins: Origins | None = None, source: str = "config") -> Any:
+    """`owner.Options` built from `data` (strict, like every config); a plug-in without an
+    `Options` dataclass takes no options."""
+    options_type = getattr(owner, "Options", None)
+    if options_type is None:
+        if data:
+            raise ConfigError(f"{source}: {key}: {getattr(owner, '__name__', owner)!r} takes no options, got {sorted(data)}")
+        return None
+    return build(options_type, data, origins=origins, default_source=source, prefix=tuple(key.split(".")))
