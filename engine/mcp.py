@@ -26,9 +26,10 @@ Failure contract (a deliberate choice; see `McpServer.call`):
 - The server died (or the HTTP session broke): the calls in flight and the calls until it is back
   also fail as tool errors ("server_unavailable"), not `ToolUnavailable`. An MCP server is
   third-party code that runs what the model sends; a crash is most often the call's own doing, and
-  it is one process, restarted after 0.5 s (answering again 1.5 to 2 s after the crash here), so marking every
-  episode that met the outage as failed would drop the episodes where the policy broke the tool. The outage stays visible:
-  restarts are counted (`num_restarts`) and logged with the exit status.
+  it is one process, restarted after 0.5 s (answering again 1.5 to 2 s after a crash here), so
+  marking every episode that met the outage as failed would drop the episodes where the policy
+  broke the tool. The outage stays visible: restarts are counted (`num_restarts`) and logged with
+  the exit status.
 - `ToolUnavailable` is raised only when the server cannot be reached at all by this object: it was
   never started, it is closed, or its supervisor task failed.
 

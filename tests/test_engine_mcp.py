@@ -25,6 +25,7 @@ from agentrl.engine.tools import FunctionTool, ToolUnavailable
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
 TINY = Path(__file__).parent / "fixtures" / "mcp" / "tiny_server.py"
+TINY_TOOLS = {"add", "echo", "total", "fail", "error_result", "sleep", "pid", "spawn_child"}
 MCP_SERVER_TIME = Path(sys.executable).parent / "mcp-server-time"
 
 
@@ -66,7 +67,7 @@ async def tiny():
 @session_loop
 async def test_describe_gives_the_servers_names_descriptions_and_input_schemas(tiny):
     tools = {t.name: t for t in tiny.tools}
-    assert set(tools) == {"add", "echo", "total", "fail", "error_result", "sleep", "pid", "spawn_child"}
+    assert set(tools) == TINY_TOOLS
     add = tools["add"]
     assert add.description == "Add two integers."
     assert add.parameters["type"] == "object" and add.parameters["required"] == ["a", "b"]
@@ -295,8 +296,7 @@ def http_tiny(tmp_path_factory):
 @session_loop
 async def test_streamable_http_lists_and_calls_and_fails_like_stdio(http_tiny):
     async with McpServer(McpServerConfig(url=http_tiny.url)) as server:
-        assert {t.name for t in server.tools} == {t for t in ("add", "echo", "total", "fail", "error_result", "sleep",
-                                                              "pid", "spawn_child")}
+        assert {t.name for t in server.tools} == TINY_TOOLS
         assert (await server.call("add", {"a": 20, "b": 22}, timeout_s=10)).content == {"result": 42}
         failed = await server.call("fail", {"message": "nope"}, timeout_s=10)
         assert not failed.success and "nope" in failed.error and failed.error_type == E_TOOL
