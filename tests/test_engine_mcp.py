@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,8 +54,18 @@ async def until(predicate, timeout_s: float, what: str):
         await asyncio.sleep(0.05)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def temp_dir(tmp_path_factory):
+    """The servers' default stderr logs (and the CLI's temporary ones) go under pytest's tmp, not /tmp."""
+    path = tmp_path_factory.mktemp("mcp-tmp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", str(path))
+        patch.setenv("TMPDIR", str(path))
+        yield path
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def tiny():
+async def tiny(temp_dir):
     server = McpServer(tiny_config())
     await server.start()
     yield server
@@ -341,7 +352,7 @@ def agentrl(*args: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
 TINY_COMMAND = f"{sys.executable} -P {TINY}"
 
 
-def test_cli_describe_and_call_an_mcp_server_over_stdio(tmp_path):
+def test_cli_describe_and_call_an_mcp_server_over_stdio(tmp_path, temp_dir):
     described = agentrl("tool", "describe", "--mcp", TINY_COMMAND)
     assert described.returncode == 0, described.stderr
     specs = {s["function"]["name"]: s for s in json.loads(described.stdout)}
@@ -356,11 +367,15 @@ def test_cli_describe_and_call_an_mcp_server_over_stdio(tmp_path):
     failed = agentrl("tool", "call", "--mcp", TINY_COMMAND, "--tool", "fail", "--args", '{"message": "no"}')
     assert failed.returncode == 0  # the server answered
     assert json.loads(failed.stdout)["error"] == {"type": "tool_error", "message": "Error executing tool fail: no"}
+    assert not list(temp_dir.glob("agentrl-mcp-*.log"))  # the temporary logs of answered calls are removed
 
 
 def test_cli_exit_codes_for_unreachable_servers_and_bad_usage():
+    crashing = agentrl("tool", "describe", "--mcp", f"{sys.executable} -c 'import sys; sys.exit(\"no API key\")'")
+    assert crashing.returncode == 1 and "could not start MCP server" in crashing.stderr
+    assert "no API key" in crashing.stderr and "exited with status 1" in crashing.stderr  # the kept log's tail
     unreachable = agentrl("tool", "describe", "--mcp", "/nonexistent/mcp-server")
-    assert unreachable.returncode == 1 and "could not start MCP server" in unreachable.stderr
+    assert unreachable.returncode == 1 and "No such file" in unreachable.stderr
     refused = agentrl("tool", "describe", "--mcp-url", f"http://127.0.0.1:{free_port()}/mcp", "--timeout-s", "10")
     assert refused.returncode == 1 and "could not start MCP server" in refused.stderr
     assert agentrl("tool", "call", "--mcp", TINY_COMMAND, "--tool", "add", "--args", "{not json").returncode == 2

@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+import tempfile
 
 import zmq.auth
 
@@ -135,7 +137,9 @@ def _client_parser() -> argparse.ArgumentParser:
         where.add_argument("--endpoint", action="append", help="a replica; repeat for several")
         where.add_argument("--mcp", metavar="COMMAND", help='an MCP server over stdio, e.g. "mcp-server-time"')
         where.add_argument("--mcp-url", metavar="URL", help="an MCP server over streamable HTTP")
-        p.add_argument("--mcp-log", metavar="PATH", help="--mcp: append the server's stderr here")
+        p.add_argument("--mcp-log", metavar="PATH",
+                       help="--mcp: append the server's stderr here (default: a temporary file, kept only "
+                            "if the server could not be started)")
         p.add_argument("--timeout-s", type=float, default=30.0)
         p.add_argument("--curve-server-key", help="the server's zmq.auth public NAME.key")
         p.add_argument("--curve-client-key", help="this client's zmq.auth NAME.key_secret")
@@ -197,13 +201,18 @@ def _mcp_main(args: argparse.Namespace, tool_args: object) -> int:
         return 2
     try:
         if args.mcp is not None:
-            config = McpServerConfig.from_command_line(args.mcp, stderr_log_path=args.mcp_log,
-                                                       start_timeout_s=args.timeout_s)
+            config = McpServerConfig.from_command_line(args.mcp, start_timeout_s=args.timeout_s)
         else:
             config = McpServerConfig(url=args.mcp_url, start_timeout_s=args.timeout_s)
     except ValueError as exc:
         print(f"agentrl tool: {exc}", file=sys.stderr)
         return 2
+    temporary_log = config.command is not None and args.mcp_log is None
+    if temporary_log:
+        fd, config.stderr_log_path = tempfile.mkstemp(prefix=f"agentrl-mcp-{config.name}-", suffix=".log")
+        os.close(fd)
+    else:
+        config.stderr_log_path = args.mcp_log
 
     async def run() -> object:
         async with McpServer(config) as server:
@@ -217,7 +226,9 @@ def _mcp_main(args: argparse.Namespace, tool_args: object) -> int:
     try:
         result = asyncio.run(run())
     except McpStartError as exc:
-        print(f"agentrl tool: {exc}", file=sys.stderr)
+        print(f"agentrl tool: {exc}", file=sys.stderr)  # names the log, which is kept
         return 1
+    if temporary_log:
+        os.unlink(config.stderr_log_path)
     print(json.dumps(result), flush=True)
     return 0
