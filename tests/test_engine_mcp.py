@@ -116,9 +116,14 @@ async def test_a_failing_tool_gives_a_failed_result_with_its_message(tiny, tool,
 async def test_a_call_past_its_deadline_times_out_and_the_session_stays_usable(tiny):
     pid = tiny.pid
     start = time.perf_counter()
-    result = await tiny.call("sleep", {"seconds": 30}, timeout_s=0.3)
+    result = await tiny.call("sleep", {"seconds": 31}, timeout_s=0.3)
     assert not result.success and result.error == "timed out after 0.3 s" and result.error_type == E_DEADLINE
     assert time.perf_counter() - start < 2.0
+
+    async def cancelled_on_the_server():
+        return "sleep 31.0 cancelled" in Path(tiny.log_path).read_text()
+
+    await until(cancelled_on_the_server, 10, "the server sees the request cancelled")
     again = await tiny.call("add", {"a": 1, "b": 1}, timeout_s=10)
     assert again.success and again.content == {"result": 2}
     assert tiny.pid == pid and tiny.num_restarts == 0  # the same process and session
@@ -272,7 +277,7 @@ class HttpTinyServer:
     """tiny_server.py --http PORT as a subprocess in its own process group."""
 
     def __init__(self, port: int, log_path: Path):
-        self.port, self.url = port, f"http://127.0.0.1:{port}/mcp"
+        self.port, self.url, self.log_path = port, f"http://127.0.0.1:{port}/mcp", log_path
         self.popen = subprocess.Popen([sys.executable, "-P", str(TINY), "--http", str(port)], stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, stderr=open(log_path, "ab"), start_new_session=True)
         deadline = time.monotonic() + 60
@@ -311,8 +316,13 @@ async def test_streamable_http_lists_and_calls_and_fails_like_stdio(http_tiny):
         assert (await server.call("add", {"a": 20, "b": 22}, timeout_s=10)).content == {"result": 42}
         failed = await server.call("fail", {"message": "nope"}, timeout_s=10)
         assert not failed.success and "nope" in failed.error and failed.error_type == E_TOOL
-        slow = await server.call("sleep", {"seconds": 30}, timeout_s=0.3)
+        slow = await server.call("sleep", {"seconds": 32}, timeout_s=0.3)
         assert slow.error == "timed out after 0.3 s"
+
+        async def cancelled_on_the_server():
+            return "sleep 32.0 cancelled" in http_tiny.log_path.read_text()
+
+        await until(cancelled_on_the_server, 10, "the HTTP server sees the request cancelled")
         assert (await server.call("add", {"a": 1, "b": 1}, timeout_s=10)).content == {"result": 2}
         assert server.pid is None  # the HTTP server's process is not ours
 
