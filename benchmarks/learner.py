@@ -92,9 +92,9 @@ def _batch():
 
 def train_rate(kernels: str, steps: int) -> dict:
     model = _model()
-    config = TrainerConfig(precision="bf16", kernels=kernels, max_row_tokens=MAX_ROW_TOKENS,
+    config = TrainerConfig(precision="auto", kernels=kernels, max_row_tokens=MAX_ROW_TOKENS,
                            optimizer=OptimizerConfig(lr=1e-6))
-    trainer = Trainer(PackedPolicy(model, kernels=kernels, compute_dtype=config.compute_dtype), config)
+    trainer = Trainer(PackedPolicy(model, kernels=kernels, compute_dtype=config.compute_dtype()), config)
     mbs = _batch()
     load_before = _load()
     for _ in range(WARMUP_STEPS):
@@ -134,10 +134,10 @@ def recipe_rates(steps: int, row_tokens: int = RECIPE_ROW_TOKENS) -> dict:
     trainers = {}
     for share in (True, False):
         model = _model()
-        config = TrainerConfig(precision="bf16", kernels="fused", max_row_tokens=row_tokens, train_layers=8,
+        config = TrainerConfig(precision="auto", kernels="fused", max_row_tokens=row_tokens, train_layers=8,
                                train_embeddings=False, share_prefix=share, optimizer=OptimizerConfig(lr=1e-6))
         set_trainable(model, config.train_layers, config.train_embeddings)
-        trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=config.compute_dtype), config)
+        trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=config.compute_dtype()), config)
     mbs = _recipe_batch(row_tokens)
     load_before = _load()
     rates: dict[bool, list[float]] = {True: [], False: []}
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         "publish_write_s_last": round(pub["write_s"], 3),
         "tokens_per_step": fused["tokens"],
         "action_tokens_per_step": fused["action_tokens"],
-        "precision": "bf16-autocast",
+        "precision": str(TrainerConfig().compute_dtype()).removeprefix("torch.") + " autocast (auto: agentrl.common.hardware)",
         "load_avg_1m_before": round(fused["load_before"], 2),
         "load_avg_1m_after": round(reference["load_after"], 2),
         **machine,

@@ -2,14 +2,21 @@
 
 `resolve(path, key, builtins)` imports what a config names (or takes a built-in by name) and turns
 every way that can fail into a ConfigError naming the config key, so a bad name stops the run at
-start, before any server. `build_options(owner, data, key)` validates a plug-in's options table
+start, before any server. The module may also be a file, "path/to/module.py:name" (relative to the
+working directory): it is imported once under a name derived from its absolute path, so a file
+that holds an environment and its task loader is one module, and every process of a run (they
+share the working directory) imports the same file. `build_options(owner, data, key)` validates a plug-in's options table
 against the dataclass the plug-in declares as its `Options` attribute.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from agentrl.common.config import ConfigError, Origins, build
@@ -25,7 +32,7 @@ def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> A
         known = f"neither a built-in ({', '.join(builtins)}) nor" if builtins else "not"
         raise ConfigError(f"{key}: {path!r} is {known} a 'package.module:name' path")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_file(module_name, key) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"{key}: cannot import {module_name!r}: {err}") from None
     except Exception as err:  # noqa: BLE001 - a user module that raises on import is reported, with its error
@@ -36,6 +43,24 @@ def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> A
             raise ConfigError(f"{key}: {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def _import_file(path: str, key: str):
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ConfigError(f"{key}: no such file {path!r} (relative paths are taken from {Path.cwd()})")
+    name = "agentrl_plugin_" + hashlib.sha1(str(file).encode()).hexdigest()[:12] + "_" + file.stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def build_options(owner: Any, data: dict, key: str, *, origins: Origins | None = None, source: str = "config") -> Any:

@@ -46,8 +46,9 @@ class ServicesConfig:
     """Built-in tool services to start (besides those the environment requires)."""
     search_replicas: int = 1
     """Replicas of the search service to start (>= 1)."""
-    vllm_dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    """Serving dtype of a vLLM server started here."""
+    vllm_dtype: Literal["bfloat16", "float16", "float32", "auto"] = "auto"
+    """Serving dtype of a vLLM server started here ("auto": bf16 where the device runs it natively,
+    else float32; engine/serve.py)."""
     gpu_memory_utilization: float | None = None
     """Of a vLLM server started here (engine/serve.py); None: its default."""
     kv_cache_gib: float | None = None
@@ -225,17 +226,14 @@ class ToolCommandError(ConfigError):
 
 
 def _start_command(command: list[str], log_path: Path, key: str):
-    import shutil
-    import sys
-
     from agentrl.common.procs import ChildStartError
     from agentrl.engine.serve import free_port
     from agentrl.toolservers.process import ToolServerProcess
 
-    argv = [sys.executable if i == 0 and part in ("python", "python3") else part.replace("{bind}", f"tcp://127.0.0.1:{free_port()}")
-            for i, part in enumerate(command)]
-    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
-        raise ToolCommandError(f"{key}.command: no such program {argv[0]!r}")
+    program = find_program(command[0])
+    if program is None:
+        raise ToolCommandError(f"{key}.command: no such program {command[0]!r}")
+    argv = [program, *(part.replace("{bind}", f"tcp://127.0.0.1:{free_port()}") for part in command[1:])]
     proc = ToolServerProcess(key, argv, log_path=str(log_path)).start()
     try:
         proc.endpoint = proc.wait_for_line("READY ", 120.0).split(" ", 1)[1]
@@ -271,11 +269,30 @@ def function_tool(source: ToolSource, key: str):
         raise ConfigError(f"{key}.function: no usable schema: {err}") from None
 
 
+def find_program(name: str) -> str | None:
+    """A command's program: on PATH, or beside this interpreter (a console script of this
+    environment, such as `mcp-server-time`, when the environment's bin folder is not on PATH);
+    "python" is this interpreter."""
+    import shutil
+    import sys
+
+    if name in ("python", "python3"):
+        return sys.executable
+    if Path(name).is_file():
+        return name
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    return found
+
+
 def check_tool_sources(tools: list[ToolSource]) -> None:
-    """What can be checked before anything starts: functions import and have a schema."""
+    """What can be checked before anything starts: functions import and have a schema, commands
+    name a program that exists."""
     for i, source in enumerate(tools):
         if source.function is not None:
             function_tool(source, f"tools[{i}]")
+        for key, argv in (("command", source.command), ("mcp", source.mcp)):
+            if argv and find_program(argv[0]) is None:
+                raise ConfigError(f"tools[{i}].{key}: no such program {argv[0]!r}")
 
 
 class Connections:
@@ -309,7 +326,7 @@ class Connections:
                 if source.function is not None:
                     self.tools.append(function_tool(source, f"tools[{i}]"))
                 else:
-                    self.tools += await self._mcp_tools(source)
+                    self.tools += await self._mcp_tools(source, f"tools[{i}]")
             for tool in self.tools:
                 self.env.register_tool(tool)
         except BaseException:
@@ -317,8 +334,19 @@ class Connections:
             raise
         return self
 
-    async def _mcp_tools(self, source: ToolSource) -> list:
-        raise ConfigError("tools: MCP servers as tools are not available in this build")
+    async def _mcp_tools(self, source: ToolSource, key: str) -> list:
+        """The tools of an MCP server (its stdio child started and owned here, stopped on exit)."""
+        from agentrl.engine.mcp import McpServer, McpServerConfig, McpStartError
+
+        if source.mcp is not None:
+            config = McpServerConfig(command=find_program(source.mcp[0]) or source.mcp[0], args=tuple(source.mcp[1:]), name=key)
+        else:
+            config = McpServerConfig(url=source.mcp_url, name=key)
+        try:
+            server = await self._stack.enter_async_context(McpServer(config))
+        except McpStartError as err:
+            raise ConfigError(f"{key}.{'mcp' if source.mcp else 'mcp_url'}: the MCP server did not start: {err}") from None
+        return list(server.tools)
 
     async def __aexit__(self, *exc) -> None:
         await self._stack.aclose()

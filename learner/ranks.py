@@ -80,7 +80,7 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
     model = load()
     set_trainable(model, tcfg.train_layers, tcfg.train_embeddings)
     value_head = tcfg.advantage.estimator == "gae" and config.mode == "rl"
-    policy = PackedPolicy(model, value_head=value_head, kernels=tcfg.kernels, compute_dtype=tcfg.compute_dtype)
+    policy = PackedPolicy(model, value_head=value_head, kernels=tcfg.kernels, compute_dtype=tcfg.compute_dtype(device.type))
     # Onto the device before sharding (FSDP shards what is on the mesh's device) and before the
     # optimizer exists (AdamW's state follows its parameters; each rank's covers its shard only).
     policy.to(device)
@@ -89,7 +89,7 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
     reference = None
     if config.kl_reference:
         reference = PackedPolicy(load().requires_grad_(False).eval(), kernels=tcfg.kernels,
-                                 compute_dtype=tcfg.compute_dtype)
+                                 compute_dtype=tcfg.compute_dtype(device.type))
         reference.to(device)
     return Trainer(policy, tcfg, reference=reference), model
 
@@ -157,8 +157,9 @@ class Solo:
 
     @on_device
     def snapshot(self) -> dict[str, torch.Tensor] | None:
-        """The weights to publish (bf16, checkpoint names)."""
-        return snapshot_weights(self.model)
+        """The weights to publish (checkpoint names, in the dtype the learner computes in: bf16
+        where the hardware runs it natively, else float32, which the server then serves)."""
+        return snapshot_weights(self.model, dtype=self.trainer.policy.compute_dtype)
 
     def checkpoint_state(self) -> dict[str, Any] | None:
         """Model, optimizer and RNG state for a checkpoint (None on ranks that do not write it)."""
@@ -282,7 +283,8 @@ def gather_snapshot(node: Solo, group: RankGroup | None = None) -> dict[str, tor
     policy_state, _ = full_state(node.trainer.policy)
     if not group.is_leader:
         return None
-    return snapshot_from_policy_state(policy_state, tied=bool(getattr(node.model.config, "tie_word_embeddings", False)))
+    return snapshot_from_policy_state(policy_state, tied=bool(getattr(node.model.config, "tie_word_embeddings", False)),
+                                      dtype=node.trainer.policy.compute_dtype)
 
 
 def gather_checkpoint(node: Solo, group: RankGroup | None = None) -> dict[str, Any] | None:

@@ -44,7 +44,7 @@ from agentrl.kernels.policy_loss import PolicyLossConfig
 from agentrl.learner.advantages import AdvantageConfig, gae
 from agentrl.learner.batching import Kernels, MicroBatch, PackedPolicy
 
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 @config_dataclass
@@ -76,9 +76,11 @@ class TrainerConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     max_row_tokens: int = 2048
     """Tokens per packed micro-batch row (activation memory and attention cost grow with it)."""
-    precision: Precision = "bf16"
+    precision: Precision = "auto"
     """"bf16": fp32 master weights and optimizer state, bf16 autocast matmuls (2.2x the fp32
-    matmul rate here: 184 vs 82 GFLOP/s); "fp32": everything in float32."""
+    matmul rate on a CPU with AVX-512 BF16: 184 vs 82 GFLOP/s; emulated and ~60x slower without);
+    "fp32": everything in float32; "auto": bf16 on CUDA and on CPUs with native bf16, else fp32
+    (agentrl.common.hardware)."""
     kernels: Kernels = "fused"
     """"fused": agentrl.kernels (no [N, V] logits); "reference": the materialising references."""
     temperature: float = 1.0
@@ -96,14 +98,17 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.max_row_tokens <= 0:
             raise ValueError(f"max_row_tokens={self.max_row_tokens} must be > 0")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision={self.precision!r}: choose 'fp32' or 'bf16'")
         if self.train_layers != "all" and not (isinstance(self.train_layers, int) and self.train_layers >= 0):
             raise ValueError(f"train_layers={self.train_layers!r}: use 'all' or an int k >= 0")
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+    def compute_dtype(self, device_type: str = "cpu") -> torch.dtype:
+        """The autocast dtype on a device type ("auto": agentrl.common.hardware)."""
+        precision = self.precision
+        if precision == "auto":
+            from agentrl.common.hardware import auto_dtype_name
+
+            precision = "bf16" if auto_dtype_name(device_type) == "bfloat16" else "fp32"
+        return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def set_trainable(causal_lm: nn.Module, train_layers: int | str, train_embeddings: bool) -> int:

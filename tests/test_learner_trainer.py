@@ -191,7 +191,7 @@ def _train(config, steps, samples, value_head=False, seed=0):
     model = tiny_llama(VOCAB, seed=seed)
     set_trainable(model, config.train_layers, config.train_embeddings)
     trainer = Trainer(PackedPolicy(model, kernels=config.kernels, value_head=value_head,
-                                   compute_dtype=config.compute_dtype), config)
+                                   compute_dtype=config.compute_dtype()), config)
     mbs = build_micro_batches(samples, config.max_row_tokens)
     return model, trainer, [trainer.rl_step(mbs) for _ in range(steps)], mbs
 

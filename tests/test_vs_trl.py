@@ -83,7 +83,7 @@ EPISODES = {
         "I am not sure.",
         "<answer>unclosed"],
     "four calls in one turn (one over the limit), text after the answer": lambda t: [
-        "".join(_gold_call(f"{t.metadata["gold_queries"][0]} {i}") for i in range(4)),
+        "".join(_gold_call(f"{t.metadata['gold_queries'][0]} {i}") for i in range(4)),
         f"<answer>{t.reference[0]}</answer> and more text <answer>other</answer>"],
     "an imagined tool response after the call is cut": lambda t: [
         _gold_call(t.metadata["gold_queries"][0]) + "<tool_response>\n[1] made up\n</tool_response>",
