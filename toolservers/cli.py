@@ -49,13 +49,15 @@ def _server_parser() -> argparse.ArgumentParser:
     py.add_argument("--default-timeout-s", type=float, help="wall time of a call that names none")
     py.add_argument("--max-timeout-s", type=float, help="largest wall time a call may ask for")
     py.add_argument("--memory-mb", type=int, help="address-space limit per sandboxed process")
-    py.add_argument("--max-processes", type=int, help="processes per sandbox, including its supervisor")
+    py.add_argument("--max-processes", type=int, help="processes and threads per sandbox, including its 3 own")
+    py.add_argument("--cpu-cores", type=float, help="CPU bandwidth of one sandbox, all its processes together")
     py.add_argument("--max-file-mb", type=int, help="largest file a call may write")
-    py.add_argument("--tmpfs-mb", type=int, help="size of the sandbox's private /tmp")
+    py.add_argument("--tmpfs-mb", type=int, help="size of the sandbox's private /tmp and /dev/shm, each")
+    py.add_argument("--max-inodes", type=int, help="files and directories in /tmp and in /dev/shm, each")
     py.add_argument("--max-output-bytes", type=int, help="stdout and stderr kept per call, each")
-    py.add_argument("--no-memory-cgroup", action="store_true",
-                    help="no per-sandbox memory cgroup (hosts without writable cgroup v1): only the "
-                         "per-process address-space limit then bounds memory")
+    py.add_argument("--no-cgroups", action="store_true",
+                    help="no per-sandbox memory, pids and cpu cgroups (hosts without writable cgroup v1): "
+                         "only per-process rlimits then bound memory, processes and CPU")
     return ap
 
 
@@ -86,14 +88,16 @@ def _build_tool(args: argparse.Namespace) -> Tool:
         "max_timeout_s": args.max_timeout_s,
         "memory_bytes": args.memory_mb and args.memory_mb << 20,
         "max_processes": args.max_processes,
+        "cpu_cores": args.cpu_cores,
         "max_file_bytes": args.max_file_mb and args.max_file_mb << 20,
         "tmpfs_bytes": args.tmpfs_mb and args.tmpfs_mb << 20,
+        "max_inodes": args.max_inodes,
         "max_output_bytes": args.max_output_bytes,
     }
     for key, value in overrides.items():
         if value is not None:
             setattr(cfg, key, value)
-    cfg.memory_cgroup = not args.no_memory_cgroup
+    cfg.cgroups = not args.no_cgroups
     return PythonTool(cfg)
 
 
