@@ -35,7 +35,10 @@ def _server_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint (loopback by default)")
     ap.add_argument("--workers", type=int, default=None,
                     help="search: scoring threads (default 1); python: pre-started sandboxes (default 4)")
-    ap.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
+    ap.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                    help="largest single request; larger ones are answered request_too_large")
+    ap.add_argument("--max-frame-bytes", type=int, default=ServerConfig.max_frame_bytes,
+                    help="largest request frame read (ZeroMQ MAXMSGSIZE); a larger one drops the sender")
     ap.add_argument("--max-in-flight", type=int, default=ServerConfig.max_in_flight)
     ap.add_argument("--reply-batch", type=int, default=ServerConfig.reply_batch,
                     help="replies sent after every this many finished calls (pipelining)")
@@ -107,6 +110,7 @@ def serve_main(argv: list[str]) -> int:
     config = ServerConfig(
         bind=args.bind,
         max_request_bytes=args.max_request_bytes,
+        max_frame_bytes=args.max_frame_bytes,
         max_in_flight=args.max_in_flight,
         reply_batch=args.reply_batch,
         curve_secret_key_file=args.curve_secret_key,
