@@ -5,12 +5,12 @@ zygote uid through `setpriv`) joins a user namespace prepared for the slot and u
 namespace (no network: connect() fails with "Network is unreachable"); the sandbox sees a
 read-only /usr (the system interpreter and its standard library) and nothing else of the host: no
 /etc, no /home, no project files, an empty environment. Inside, the zygote (sandbox_zygote.py,
-passed as `-c` source) is PID 1; per call it forks a runner, which forks the child that runs the
-code. sandbox_zygote.py says how the child is kept away from the zygote and the runner (two uids,
-non-dumpable, hidepid, seccomp) and what its seccomp filter refuses.
+passed as `-c` source) is PID 1 and supervises each call; a spawner process it forked at start-up
+forks the child that runs each call's code. sandbox_zygote.py says how the child is kept away from
+both (two uids, non-dumpable, hidepid, seccomp) and what its seccomp filter refuses.
 
 The slot's user namespace maps exactly two host uids (and the same gids), both unprivileged:
-    uid 0 inside     = uid_base + 2 * slot   zygote and runner (capabilities only inside the sandbox)
+    uid 0 inside     = uid_base + 2 * slot   zygote and spawner (capabilities only inside the sandbox)
     uid 1000 inside  = uid_base + 2 * slot + 1   the call's processes (no capabilities)
 Mapping two uids needs a privileged writer of uid_map, so the service runs as root. The namespace
 is made by a small helper process running as the zygote uid (so that bwrap, running as that uid,
@@ -18,9 +18,9 @@ may join it) which also sets the namespace's user.max_user_namespaces to 0: noth
 create a user namespace of its own (the seccomp filter refuses it too).
 
 What holds between calls (isolation):
-- Each call runs in a new process forked from a runner forked from the zygote's clean
-  interpreter: no Python state (modules, globals, monkey-patches, random state) carries over, and
-  no earlier call's data is in the memory it inherits.
+- Each call runs in a new process forked by the spawner, a copy of the zygote's clean interpreter
+  that never handles call data: no Python state (modules, globals, monkey-patches, random state)
+  carries over, and no earlier call's data is in the memory it inherits.
 - After each call every other process in the sandbox is SIGKILLed and reaped (background
   processes, double-forked or setsid'd ones included) and /tmp and /dev/shm are replaced by fresh
   empty tmpfs mounts; / and /dev are read-only, and SysV/POSIX IPC objects cannot be created. If
@@ -36,7 +36,7 @@ Limits, and what each reports in `limit` when hit:
                cpu_cores x its wall time of CPU whatever it forks
     memory     RLIMIT_AS per process (MemoryError), and the slot's memory cgroup, which bounds the
                sum over all its processes and tmpfs pages (OOM kill, seen in memory.oom_control)
-    processes  the slot's pids cgroup (max_processes tasks: bwrap, zygote, runner and the call's
+    processes  the slot's pids cgroup (max_processes tasks: bwrap, zygote, spawner and the call's
                processes and threads) and RLIMIT_NPROC of the call uid (fork fails with EAGAIN)
     file_size  RLIMIT_FSIZE (SIGXFSZ)
     disk       the private /tmp or /dev/shm tmpfs (tmpfs_bytes, max_inodes each) filled up
@@ -116,10 +116,10 @@ class SandboxConfig:
     """RLIMIT_AS per process, and the slot's memory cgroup limit (all its processes and tmpfs).
     256 MiB breaks imports of numpy-sized modules; 1 GiB is workable."""
     zygote_memory_bytes: int = 256 << 20
-    """RLIMIT_AS of the zygote and of each call's runner (each uses about 30 MiB of address space)."""
+    """RLIMIT_AS of the zygote and of the spawner (each uses about 30 MiB of address space)."""
     max_processes: int = 32
     """Tasks (processes and threads) in one sandbox at once: bwrap's monitor, the zygote and the
-    runner count, so a call may have max_processes - 3."""
+    spawner count, so a call may have max_processes - 3."""
     cpu_cores: float = 1.0
     """CPU bandwidth of one sandbox, all its processes together, in cores (cgroup cpu quota)."""
     max_file_bytes: int = 16 << 20
@@ -161,7 +161,7 @@ class SandboxConfig:
         if not 0 < self.default_timeout_s <= self.max_timeout_s:
             raise ValueError("need 0 < default_timeout_s <= max_timeout_s")
         if self.max_processes < 4:
-            raise ValueError("max_processes must be >= 4 (bwrap, the zygote, the runner and the call)")
+            raise ValueError("max_processes must be >= 4 (bwrap, the zygote, the spawner and the call)")
         if self.cpu_cores <= 0:
             raise ValueError(f"cpu_cores must be > 0, got {self.cpu_cores}")
         if self.max_inodes < 16:
@@ -594,7 +594,7 @@ class PythonTool(Tool):
             data = frame.encode()
             assert slot.popen is not None and slot.popen.stdin is not None
             try:
-                # A whole frame (<= ~6 MB: stdin escaped) while the call's runner waits in read().
+                # A whole frame (<= ~6 MB: stdin escaped) while the zygote waits in read().
                 slot.popen.stdin.write(struct.pack(">I", len(data)) + data)
             except BrokenPipeError:
                 self.queue.appendleft(job)

@@ -49,8 +49,9 @@ another ABI (int 0x80 i386, x32) kill the process (SIGSYS).
 
 What a call can write, and what survives it: / and /dev are read-only; /tmp and /dev/shm are
 tmpfs mounts of `tmpfs_bytes` and `max_inodes` each, replaced by fresh empty mounts after every
-call (the old ones are detached and freed with the last process that held them, all killed by
-then), so no file of a call survives it or keeps charging the slot's memory cgroup.
+call that left anything in them (the old ones are detached, and freed at once: every process of
+the call has been killed by then), so no file of a call survives it or keeps charging the slot's
+memory cgroup.
 """
 
 # Imported before any call so that forked children start with them loaded (fast, and the same
@@ -95,7 +96,7 @@ def libc_call(name, *args):
 
 
 def limit_of(exc):
-    """Which limit an uncaught exception reports, if any (the child tells the runner on fd 3)."""
+    """Which limit an uncaught exception reports, if any (the child tells the zygote on fd 3)."""
     if isinstance(exc, MemoryError):
         return "memory"
     if isinstance(exc, OSError):
@@ -206,19 +207,19 @@ def harden_zygote():
     # Non-dumpable: /proc/1/* belongs to root of the namespace and ptrace needs CAP_SYS_PTRACE.
     libc_call("prctl", PR_SET_DUMPABLE, 0, 0, 0, 0)
     libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    # Other users' processes vanish from /proc; gid 0 (zygote and runner) still sees every process.
+    # Other users' processes vanish from /proc; gid 0 (zygote and spawner) still sees every process.
     libc_call("mount", None, b"/proc", None, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC,
               b"hidepid=invisible,gid=0")
     # Python installs a SIGINT handler; PID 1 then ignores every signal it has no handler for.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    # Soft limits for the zygote and its runners; hard limits as high as a call's, which the child
+    # Soft limits for the zygote and the spawner; hard limits as high as a call's, which the child
     # sets after the fork (without CAP_SYS_RESOURCE a hard limit can only go down). No RLIMIT_FSIZE:
     # stderr is the server's log file, which may be past any such limit already.
     limits = [
         (resource.RLIMIT_AS, CFG["zygote_memory_bytes"], CFG["memory_bytes"]),
         (resource.RLIMIT_NOFILE, 64, 256),
         (resource.RLIMIT_CORE, 0, 0),
-        (resource.RLIMIT_NPROC, 4, CFG["max_processes"]),  # zygote, runner, child before setuid
+        (resource.RLIMIT_NPROC, 4, CFG["max_processes"]),  # zygote, spawner, child before setuid
     ]
     for which, soft, hard in limits:
         resource.setrlimit(which, (soft, hard))
@@ -402,7 +403,7 @@ def child_main(code_r, stdin_r, stdout_w, stderr_w, status_w):
             try:
                 os.write(3, limit.encode() + b"\n")
             except OSError:
-                pass  # the runner stopped listening (call already over): nothing to tell
+                pass  # the zygote stopped listening (call already over): nothing to tell
         # Drop this function's own frame: the traceback starts at the user's code.
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
         status = 1
