@@ -301,8 +301,12 @@ class _Slot:
         self.job: Job | None = None
         self.job_timeout_s = 0.0
         self.job_started_s = 0.0
-        self.oom_kills_before = 0
-        self.pids_max_before = 0
+        # The slot's cgroup counters as of the end of its last call (or its start): the zygote kills
+        # every process of a call before it sends the result, so nothing moves them between one
+        # result and the next call, and reading them once per call (not at dispatch and at the
+        # result) is exact. 20-40 us a read, on the server's loop.
+        self.oom_kills_seen = 0
+        self.pids_max_hits_seen = 0
         self.cgroups: dict[str, Path] | None = None
 
     @property
@@ -482,6 +486,7 @@ class PythonTool(Tool):
         slot.reader = FrameReader(slot.max_frame_bytes)
         slot.ready = False
         slot.job = None
+        slot.oom_kills_seen, slot.pids_max_hits_seen = slot.oom_kills(), slot.pids_max_hits()
         self._by_fd[slot.fd] = slot
 
     def _kill(self, slot: _Slot) -> None:
@@ -561,13 +566,15 @@ class PythonTool(Tool):
             if slot.job is None:
                 return done + self._restart(slot, "it sent a result with no call running") + self._dispatch(
                     time.monotonic())
+            # The kernel's verdicts, which the sandbox cannot see: an OOM kill in the slot's memory
+            # cgroup, a fork refused by its pids cgroup.
+            oom_kills, pids_max_hits = slot.oom_kills(), slot.pids_max_hits()
             if result["limit"] is None:
-                # The kernel's verdicts, which the sandbox cannot see: an OOM kill in the slot's
-                # memory cgroup, a fork refused by its pids cgroup.
-                if slot.oom_kills() > slot.oom_kills_before:
+                if oom_kills > slot.oom_kills_seen:
                     result["limit"] = "memory"
-                elif slot.pids_max_hits() > slot.pids_max_before:
+                elif pids_max_hits > slot.pids_max_hits_seen:
                     result["limit"] = "processes"
+            slot.oom_kills_seen, slot.pids_max_hits_seen = oom_kills, pids_max_hits
             done.append((slot.job, Outcome(True, result)))
             slot.job = None
         return done + self._dispatch(time.monotonic())
@@ -601,7 +608,6 @@ class PythonTool(Tool):
                 done += self._restart(slot, "sandbox input pipe closed")
                 continue
             slot.job, slot.job_timeout_s, slot.job_started_s = job, timeout_s, now_s
-            slot.oom_kills_before, slot.pids_max_before = slot.oom_kills(), slot.pids_max_hits()
         # Expire calls that have waited past their deadline even while all sandboxes are busy.
         if self.queue and self.queue[0].deadline_s <= now_s:
             keep = collections.deque()

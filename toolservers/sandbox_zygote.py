@@ -254,6 +254,7 @@ def zygote_main():
         if not clean:
             print("sandbox zygote: could not restore a clean state; exiting", file=sys.stderr)
             return
+        spawner.fork_next()  # after the send: the next child is forked while this result travels
 
 
 class Spawner:
@@ -521,7 +522,6 @@ def run(job, child, spawner):
             # an empty listing means an empty file system.
             if os.listdir(path):
                 fresh_tmpfs(path)
-        spawner.fork_next()  # the next child is forked while this result travels
 
     if os.WIFSIGNALED(exit_status):
         exit_code = -os.WTERMSIG(exit_status)
