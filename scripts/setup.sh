@@ -8,13 +8,18 @@ cd "$(dirname "$0")/.."
 VENV=${AGENTRL_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-if ! command -v bwrap >/dev/null 2>&1; then
+# The python tool's sandbox: bubblewrap, and libseccomp's bindings for the system interpreter that
+# runs inside it (it builds each call's seccomp filter). The service refuses to start without them.
+missing=()
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+/usr/bin/python3 -I -c "import seccomp" >/dev/null 2>&1 || missing+=(python3-seccomp)
+if (( ${#missing[@]} )); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing bubblewrap (python tool sandbox)"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    echo "[setup] installing ${missing[*]} (python tool sandbox)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    echo "[setup] bubblewrap (bwrap) is missing and cannot be installed here (needs root + apt-get)." >&2
-    echo "        Install it (e.g. 'sudo apt-get install bubblewrap'); the python tool service refuses to run without it." >&2
+    echo "[setup] ${missing[*]} missing and cannot be installed here (needs root + apt-get)." >&2
+    echo "        Install them (e.g. 'sudo apt-get install ${missing[*]}'); the python tool service refuses to run without them." >&2
     exit 1
   fi
 fi

@@ -8,6 +8,7 @@ cache, the CLI, and the CurveZMQ rule for non-loopback binds.
 from __future__ import annotations
 
 import asyncio
+import decimal
 import json
 import os
 import signal
@@ -107,6 +108,33 @@ async def test_calculator_rejects_what_it_cannot_do_exactly_or_safely(calculator
         resp = await client.call("calculator", {"expression": expression})
     assert not resp.ok and resp.error.type == "tool_error"
     assert fragment in resp.error.message
+
+
+# 1.8 KB of products of powers: the whole product used to be computed (1.3 s), fail to print, and
+# be computed again by the retry of its batch.
+POWER_PRODUCT = "*".join(["(9**1000)**3"] * 150)[:1949]
+
+
+@pytest.mark.parametrize("expression, fragment", [
+    (POWER_PRODUCT, "digits (limit 10000)"),
+    ("*".join(["9**1000"] * 250)[:1999], "digits (limit 10000)"),
+    ("+".join(["(7/3)**1000*(7/3)**1000*(7/3)**1000*(7/3)**1000"] * 40)[:1919], "too much big-number arithmetic"),
+    ("1e9999999", "more than 10000 digits"),
+])
+async def test_calculator_refuses_huge_work_before_doing_it(calculator, expression, fragment):
+    async with ToolClient([calculator.endpoint], max_request_bytes=4096) as client:
+        resp = await client.call("calculator", {"expression": expression})
+    assert not resp.ok and resp.error.type == "tool_error" and fragment in resp.error.message, resp.error
+    assert resp.server_latency_s < 0.05, resp.server_latency_s
+
+
+async def test_calculator_prints_results_past_pythons_4300_digit_limit(calculator):
+    async with ToolClient([calculator.endpoint]) as client:
+        resp = await client.call("calculator", {"expression": "9**1000*9**1000*9**1000*9**1000*9**1000 / 7"})
+    assert resp.ok, resp.error
+    numerator, denominator = resp.content["value"].split("/")
+    # int(text) refuses 4,772 digits here too; a Decimal compares exactly with an int
+    assert len(numerator) == 4772 and decimal.Decimal(numerator) == 9**5000 and denominator == "7"
 
 
 # --- bad input -------------------------------------------------------------------------------------
@@ -378,6 +406,53 @@ async def test_a_call_nobody_answers_returns_deadline_exceeded_after_the_grace()
         server.cancel()
         router.close(0)
         ctx.term()
+
+
+async def test_an_unexpected_exception_is_answered_without_running_any_call_twice():
+    """A batch in which one call raises: every call of it ran exactly once (the batch used to be
+    retried call by call, running each a second time)."""
+    import socket
+    import threading
+
+    from agentrl.toolservers.server import ServerConfig, Tool, ToolServer, ToolSpec
+
+    runs: dict[int, int] = {}
+
+    class Counting(Tool):
+        spec = ToolSpec("counting", "counts", {"type": "object", "properties": {"x": {"type": "integer"}},
+                                               "required": ["x"]}, idempotent=True)
+
+        def run(self, args: dict) -> int:
+            runs[args["x"]] = runs.get(args["x"], 0) + 1
+            if args["x"] == 3:
+                raise ValueError("three")
+            return args["x"]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ToolServer(ServerConfig(bind=f"tcp://127.0.0.1:{port}"), [Counting()])
+    thread = threading.Thread(target=server.serve, kwargs={"install_signal_handlers": False})
+    thread.start()
+    try:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        await sock.send(msgpack.packb([{"id": x, "op": "call", "tool": "counting", "args": {"x": x}, "timeout_s": 5}
+                                       for x in range(8)]))
+        replies: dict = {}
+        while len(replies) < 8:
+            reply = msgpack.unpackb(await asyncio.wait_for(sock.recv(), 10))
+            replies.update({r["id"]: r for r in (reply if isinstance(reply, list) else [reply])})
+        sock.close(0)
+        ctx.term()
+    finally:
+        server.stop()
+        thread.join(10)
+    assert runs == {x: 1 for x in range(8)}
+    assert replies[3]["error"]["message"] == "internal error in tool counting: ValueError: three"
+    assert all(replies[x]["content"] == x for x in range(8) if x != 3)
 
 
 async def test_a_tool_crashing_on_one_input_answers_that_call_with_an_error_and_serves_the_rest():

@@ -41,7 +41,10 @@ def _server_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint (loopback by default)")
     ap.add_argument("--workers", type=int, default=None,
                     help="search: scoring threads (default 1); python: pre-started sandboxes (default 4)")
-    ap.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes)
+    ap.add_argument("--max-request-bytes", type=int, default=ServerConfig.max_request_bytes,
+                    help="largest single request; larger ones are answered request_too_large")
+    ap.add_argument("--max-frame-bytes", type=int, default=ServerConfig.max_frame_bytes,
+                    help="largest request frame read (ZeroMQ MAXMSGSIZE); a larger one drops the sender")
     ap.add_argument("--max-in-flight", type=int, default=ServerConfig.max_in_flight)
     ap.add_argument("--reply-batch", type=int, default=ServerConfig.reply_batch,
                     help="replies sent after every this many finished calls (pipelining)")
@@ -55,13 +58,15 @@ def _server_parser() -> argparse.ArgumentParser:
     py.add_argument("--default-timeout-s", type=float, help="wall time of a call that names none")
     py.add_argument("--max-timeout-s", type=float, help="largest wall time a call may ask for")
     py.add_argument("--memory-mb", type=int, help="address-space limit per sandboxed process")
-    py.add_argument("--max-processes", type=int, help="processes per sandbox, including its supervisor")
+    py.add_argument("--max-processes", type=int, help="processes and threads per sandbox, including its 3 own")
+    py.add_argument("--cpu-cores", type=float, help="CPU bandwidth of one sandbox, all its processes together")
     py.add_argument("--max-file-mb", type=int, help="largest file a call may write")
-    py.add_argument("--tmpfs-mb", type=int, help="size of the sandbox's private /tmp")
+    py.add_argument("--tmpfs-mb", type=int, help="size of the sandbox's private /tmp and /dev/shm, each")
+    py.add_argument("--max-inodes", type=int, help="files and directories in /tmp and in /dev/shm, each")
     py.add_argument("--max-output-bytes", type=int, help="stdout and stderr kept per call, each")
-    py.add_argument("--no-memory-cgroup", action="store_true",
-                    help="no per-sandbox memory cgroup (hosts without writable cgroup v1): only the "
-                         "per-process address-space limit then bounds memory")
+    py.add_argument("--no-cgroups", action="store_true",
+                    help="no per-sandbox memory, pids and cpu cgroups (hosts without writable cgroup v1): "
+                         "only per-process rlimits then bound memory, processes and CPU")
     return ap
 
 
@@ -92,14 +97,16 @@ def _build_tool(args: argparse.Namespace) -> Tool:
         "max_timeout_s": args.max_timeout_s,
         "memory_bytes": args.memory_mb and args.memory_mb << 20,
         "max_processes": args.max_processes,
+        "cpu_cores": args.cpu_cores,
         "max_file_bytes": args.max_file_mb and args.max_file_mb << 20,
         "tmpfs_bytes": args.tmpfs_mb and args.tmpfs_mb << 20,
+        "max_inodes": args.max_inodes,
         "max_output_bytes": args.max_output_bytes,
     }
     for key, value in overrides.items():
         if value is not None:
             setattr(cfg, key, value)
-    cfg.memory_cgroup = not args.no_memory_cgroup
+    cfg.cgroups = not args.no_cgroups
     return PythonTool(cfg)
 
 
@@ -109,6 +116,7 @@ def serve_main(argv: list[str]) -> int:
     config = ServerConfig(
         bind=args.bind,
         max_request_bytes=args.max_request_bytes,
+        max_frame_bytes=args.max_frame_bytes,
         max_in_flight=args.max_in_flight,
         reply_batch=args.reply_batch,
         curve_secret_key_file=args.curve_secret_key,

@@ -41,6 +41,13 @@ How replicas are used:
 Backpressure: at most `max_in_flight` calls are outstanding per client; further `call()`s wait.
 DEALER sends await when the per-replica ZeroMQ queue (`sndhwm`) is full.
 
+Sizes (see protocol.py): the requests queued in one event-loop turn leave in frames of at most
+`max_request_bytes` (one request larger than that is answered `request_too_large` here, not sent,
+so that no frame can exceed the server's limit and cost this client its connection); the DEALER's
+MAXMSGSIZE is `max_reply_bytes`. A reply that does not decode, or is not a reply map, is counted in
+`stats["num_bad_replies"]`, logged and dropped; the call it was for gets `deadline_exceeded` when
+its budget runs out.
+
 Shutdown: `close()` cancels the heartbeat, readers and monitors it owns, fails calls still pending
 with ToolServiceUnavailable("client closed"), and closes every socket with linger 0: bounded.
 """
@@ -55,6 +62,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -121,6 +129,8 @@ class ToolClient:
         reply_grace_s: float = 2.0,
         max_in_flight: int = 4096,
         sndhwm: int = 10_000,
+        max_request_bytes: int = 1 << 20,
+        max_reply_bytes: int = 64 << 20,
         curve_server_public_key: bytes | None = None,
         curve_client_public_key: bytes | None = None,
         curve_client_secret_key: bytes | None = None,
@@ -135,6 +145,10 @@ class ToolClient:
         reply_grace_s: seconds past a call's deadline the client still waits for the server's reply.
         max_in_flight: calls outstanding at once from this client; more call()s wait.
         sndhwm: per-replica ZeroMQ send queue, in messages.
+        max_request_bytes: largest request frame sent, in bytes (the server's max_request_bytes
+            by default); batches are split under it, a single larger request is refused here.
+        max_reply_bytes: largest reply frame accepted (ZeroMQ MAXMSGSIZE), in bytes; at least the
+            servers' max_reply_frame_bytes.
         curve_*: z85 CurveZMQ keys (zmq.auth.load_certificate) for a server bound off loopback.
         """
         if not endpoints:
@@ -152,6 +166,8 @@ class ToolClient:
         self.reply_grace_s = reply_grace_s
         self._curve = curve if all(curve) else None
         self._sndhwm = sndhwm
+        self._max_request_bytes = max_request_bytes
+        self._max_reply_bytes = max_reply_bytes
         self._replicas = [_Replica(e) for e in dict.fromkeys(endpoints)]
         self._ids = itertools.count(1)
         self._rr = itertools.count()
@@ -163,7 +179,8 @@ class ToolClient:
         self._any_alive: asyncio.Event | None = None
         self._ping_ids: set[int] = set()
         self._retired_tasks: list[asyncio.Task] = []
-        self.stats = {"num_resent": 0, "num_late_replies_dropped": 0, "num_replica_deaths": 0}
+        self.stats = {"num_resent": 0, "num_late_replies_dropped": 0, "num_replica_deaths": 0,
+                      "num_bad_replies": 0}
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -268,10 +285,16 @@ class ToolClient:
     async def _send(self, pending: _Pending) -> None:
         rep = self._pick(exclude=pending.replica)
         pending.req_id = next(self._ids)
+        timeout_s = pending.deadline_s - asyncio.get_running_loop().time()
+        packed = P.pack({"id": pending.req_id, **pending.payload_fields, "timeout_s": timeout_s})
+        if len(packed) > self._max_request_bytes:
+            message = (f"request is {len(packed)} bytes; this client sends at most {self._max_request_bytes} "
+                       "(max_request_bytes); not sent")
+            pending.future.set_result(ToolResponse(False, None, ToolError(P.E_TOO_LARGE, message), 0.0, rep.endpoint))
+            return
         pending.replica = rep
         rep.pending[pending.req_id] = pending
-        timeout_s = pending.deadline_s - asyncio.get_running_loop().time()
-        self._enqueue(rep, P.pack({"id": pending.req_id, **pending.payload_fields, "timeout_s": timeout_s}))
+        self._enqueue(rep, packed)
 
     def _enqueue(self, rep: _Replica, packed: bytes) -> None:
         # Everything enqueued during one event-loop turn leaves as one frame (see protocol.py).
@@ -282,13 +305,24 @@ class ToolClient:
     def _flush_outbox(self, rep: _Replica) -> None:
         if rep.send_future is not None or not rep.outbox or rep.sock is None:
             return
-        batch, rep.outbox = rep.outbox, []
+        batch = self._next_batch(rep.outbox)
+        rep.outbox = rep.outbox[len(batch):]
         frame = batch[0] if len(batch) == 1 else P.pack_array(batch)
         fut = rep.sock.send(frame)
         # Done at once unless the replica's queue is at sndhwm; then the next flush waits for it,
         # and calls queue in the outbox (bounded by max_in_flight).
         rep.send_future = fut
         fut.add_done_callback(lambda f, rep=rep: self._on_sent(rep, f))
+
+    def _next_batch(self, outbox: list[bytes]) -> list[bytes]:
+        """The longest prefix of `outbox` that fits one frame of max_request_bytes (each request
+        alone fits: _send checked)."""
+        budget = self._max_request_bytes - 5  # the array header
+        for num_items, packed in enumerate(outbox):
+            budget -= len(packed)
+            if budget < 0 and num_items:
+                return outbox[:num_items]
+        return outbox
 
     def _on_sent(self, rep: _Replica, fut: asyncio.Future) -> None:
         if rep.send_future is fut:
@@ -325,6 +359,7 @@ class ToolClient:
         sock.setsockopt(zmq.SNDHWM, self._sndhwm)
         sock.setsockopt(zmq.RCVHWM, self._sndhwm)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
         if self._curve is not None:
             server_public, client_public, client_secret = self._curve
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
@@ -375,9 +410,25 @@ class ToolClient:
                 self._any_alive.set()
                 log.info("replica %s is live", rep.endpoint)
             for payload in payloads:
-                msg = P.unpack(payload)
-                for one in msg if isinstance(msg, list) else (msg,):
-                    self._on_reply(rep, one)
+                self._on_payload(rep, payload)
+
+    def _on_payload(self, rep: _Replica, payload: bytes) -> None:
+        try:
+            msg = P.unpack(payload)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            self._bad_reply(rep, f"a reply frame is not msgpack ({exc})")
+            return
+        for one in msg if isinstance(msg, list) else (msg,):
+            problem = _reply_problem(one)
+            if problem is None:
+                self._on_reply(rep, one)
+            else:
+                self._bad_reply(rep, problem)
+
+    def _bad_reply(self, rep: _Replica, problem: str) -> None:
+        self.stats["num_bad_replies"] += 1
+        log.warning("dropped a bad reply from %s: %s (%d so far)", rep.endpoint, problem[:200],
+                    self.stats["num_bad_replies"])
 
     def _on_reply(self, rep: _Replica, msg: dict) -> None:
         pending = rep.pending.pop(msg["id"], None)
@@ -440,12 +491,11 @@ class ToolClient:
         num_frames = 0
         while True:
             try:
-                msg = P.unpack(drain.recv(zmq.NOBLOCK))
+                payload = drain.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             num_frames += 1
-            for one in msg if isinstance(msg, list) else (msg,):
-                self._on_reply(rep, one)
+            self._on_payload(rep, payload)
         if num_frames:
             rep.last_seen_s = asyncio.get_running_loop().time()
         return num_frames
@@ -486,6 +536,25 @@ class ToolClient:
         except ToolServiceUnavailable as exc:
             if not pending.future.done():
                 pending.future.set_exception(exc)
+
+
+def _reply_problem(msg: Any) -> str | None:
+    """None if `msg` is a reply map as protocol.py defines it, else what is wrong with it."""
+    if not isinstance(msg, dict):
+        return f"a reply is {type(msg).__name__}, not a map"
+    req_id, err, latency_s = msg.get("id"), msg.get("error"), msg.get("latency_s")
+    if req_id is not None and (not isinstance(req_id, int) or isinstance(req_id, bool)):
+        return f"reply id {P.short_repr(req_id)} is not an integer"
+    if not isinstance(msg.get("ok"), bool) or "content" not in msg:
+        return "a reply lacks a boolean 'ok' or a 'content'"
+    if not isinstance(latency_s, int | float) or isinstance(latency_s, bool):
+        return "a reply lacks a numeric 'latency_s'"
+    if msg["ok"] == (err is not None):
+        return "a reply's 'ok' disagrees with its 'error'"
+    if err is not None and not (isinstance(err, dict) and isinstance(err.get("type"), str)
+                                and isinstance(err.get("message"), str)):
+        return "a reply's 'error' is not {type: str, message: str}"
+    return None
 
 
 def _log_task_failure(task: asyncio.Task) -> None:

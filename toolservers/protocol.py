@@ -3,9 +3,17 @@
 Transport: a client DEALER sends ONE frame per message; the server ROUTER therefore sees exactly
 two frames `[peer_identity, payload]` and answers `[peer_identity, payload]`. A payload is a
 msgpack map (one request or reply) or a msgpack array of such maps (a batch). Batching is how
-both ends amortize ZeroMQ's per-message cost: the client sends every request issued in one
-event-loop turn as one frame, the server answers every reply for one peer produced in one loop
+both ends amortize ZeroMQ's per-message cost: the client sends the requests issued in one
+event-loop turn as one frame, the server answers the replies for one peer produced in one loop
 turn as one frame. Each element is handled exactly as if it had come alone.
+
+Sizes: every socket sets ZeroMQ's MAXMSGSIZE, so a frame over the receiver's limit is never
+buffered (ZeroMQ drops that connection instead). Each request is at most the server's
+`max_request_bytes` (a larger one is answered `request_too_large` with its id); a request frame is
+at most its `max_frame_bytes` (the client splits its batches under its own `max_request_bytes`,
+which by default is the server's). A reply frame is at most the server's `max_reply_frame_bytes`
+(batches are split under it, one larger reply is replaced by `reply_too_large`), under the
+client's MAXMSGSIZE `max_reply_bytes`.
 
 Request (client -> server):
     id         int    client-chosen, unique per client; echoed in the reply so the client can
@@ -45,7 +53,8 @@ OP_PING = "ping"
 
 E_MALFORMED = "malformed_request"  # payload is not msgpack, not a map, or lacks a field
 E_BAD_FRAMES = "bad_frames"  # the message did not have exactly one payload frame
-E_TOO_LARGE = "request_too_large"  # payload over ServerConfig.max_request_bytes
+E_TOO_LARGE = "request_too_large"  # one request over max_request_bytes (server's or client's)
+E_REPLY_TOO_LARGE = "reply_too_large"  # the result, packed, is over ServerConfig.max_reply_frame_bytes
 E_UNKNOWN_TOOL = "unknown_tool"
 E_UNKNOWN_OP = "unknown_op"
 E_INVALID_ARGS = "invalid_arguments"  # arguments do not match the tool's JSON schema
@@ -82,6 +91,36 @@ def pack(obj: Any) -> bytes:
 
 def unpack(payload: bytes) -> Any:
     return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+
+
+_ARRAY_HEADERS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+
+
+def unpack_sized(payload: bytes) -> list[tuple[Any, int]]:
+    """The elements of a payload, each with its packed size in bytes: a batch's elements, or the
+    payload itself. Raises ValueError for anything that is not exactly one msgpack value."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(payload), 1))
+    unpacker.feed(payload)
+    elements = []
+    try:
+        count = unpacker.read_array_header() if payload[:1] and payload[0] in _ARRAY_HEADERS else None
+        for _ in range(1 if count is None else count):
+            start = unpacker.tell()
+            value = unpacker.unpack()
+            elements.append((value, unpacker.tell() - start))
+    except msgpack.UnpackException as exc:  # OutOfData (truncated) is not a ValueError
+        raise ValueError(f"Unpack failed: {type(exc).__name__} {exc}") from None
+    if unpacker.tell() != len(payload):
+        raise ValueError(f"extra data after the first value ({len(payload) - unpacker.tell()} bytes)")
+    if count is None:
+        return [(elements[0][0], len(payload))]
+    return elements
+
+
+def short_repr(value: Any, max_chars: int = 80) -> str:
+    """repr() cut to max_chars: error messages echo what a client sent, never all of it."""
+    text = repr(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def pack_array(packed_items: list[bytes]) -> bytes:
@@ -187,7 +226,9 @@ def validate_args(args: Any, schema: dict, where: str = "arguments") -> str | No
         if schema.get("additionalProperties") is False:
             extra = set(args) - set(props)
             if extra:
-                return f"{where}: unexpected field(s) {sorted(map(str, extra))}; allowed: {sorted(props)}"
+                names = sorted(short_repr(str(name), 40) for name in extra)
+                shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                return f"{where}: unexpected field(s) {shown}; allowed: {sorted(props)}"
         for name, value in args.items():
             if name in props:
                 problem = validate_args(value, props[name], f"{where}.{name}")

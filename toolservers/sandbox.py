@@ -1,31 +1,51 @@
 """The `python` tool: untrusted Python in bubblewrap sandboxes, from a pool started ahead of time.
 
-Each of `num_workers` slots is one long-lived sandbox: `setpriv` to the slot's own unprivileged
-uid, then `bwrap` with every namespace unshared (no network: connect() fails with "Network is
-unreachable"), a read-only /usr (the system interpreter and its standard library) and nothing else
-of the host: no /etc, no /home, no project files, an empty environment. Inside, the zygote
-(sandbox_zygote.py, passed as `-c` source) is PID 1 and forks one fresh child per call.
+Each of `num_workers` slots is one long-lived sandbox: `bwrap` (run as the slot's unprivileged
+zygote uid through `setpriv`) joins a user namespace prepared for the slot and unshares every other
+namespace (no network: connect() fails with "Network is unreachable"); the sandbox sees a
+read-only /usr (the system interpreter and its standard library) and nothing else of the host: no
+/etc, no /home, no project files, an empty environment. Inside, the zygote (sandbox_zygote.py,
+passed as `-c` source) is PID 1 and supervises each call; a spawner process it forked at start-up
+forks the child that runs each call's code. sandbox_zygote.py says how the child is kept away from
+both (two uids, non-dumpable, hidepid, seccomp) and what its seccomp filter refuses.
+
+The slot's user namespace maps exactly two host uids (and the same gids), both unprivileged:
+    uid 0 inside     = uid_base + 2 * slot   zygote and spawner (capabilities only inside the sandbox)
+    uid 1000 inside  = uid_base + 2 * slot + 1   the call's processes (no capabilities)
+Mapping two uids needs a privileged writer of uid_map, so the service runs as root. The namespace
+is made by a small helper process running as the zygote uid (so that bwrap, running as that uid,
+may join it) which also sets the namespace's user.max_user_namespaces to 0: nothing inside can
+create a user namespace of its own (the seccomp filter refuses it too).
 
 What holds between calls (isolation):
-- Each call runs in a new process forked from the zygote's clean interpreter: no Python state
-  (modules, globals, monkey-patches, random state) carries over from an earlier call.
-- After each call every other process in the sandbox is SIGKILLed (background processes,
-  double-forked or setsid'd ones included: as PID 1 the zygote reaps them all) and /tmp and
-  /dev/shm are emptied. If either fails, the sandbox is discarded and a fresh one started.
+- Each call runs in a new process forked by the spawner, a copy of the zygote's clean interpreter
+  that never handles call data: no Python state (modules, globals, monkey-patches, random state)
+  carries over, and no earlier call's data is in the memory it inherits.
+- After each call every other process in the sandbox is SIGKILLed and reaped (background
+  processes, double-forked or setsid'd ones included) and /tmp and /dev/shm are replaced by fresh
+  empty tmpfs mounts; / and /dev are read-only, and SysV/POSIX IPC objects cannot be created. If
+  the cleanup fails, the sandbox is discarded and a fresh one started.
 - Not reset between calls of one slot: the kernel's page cache and the sandbox's namespaces
-  themselves (hostname, empty network). A call cannot see another call's files or processes.
-- The code cannot kill its parent: SIGKILL from inside a PID namespace to its init is ignored.
+  themselves (hostname, empty network), which a call has no capability to change.
 
 Limits, and what each reports in `limit` when hit:
     wall_time  the call's timeout (min of its timeout_s, max_timeout_s and the request deadline);
                the child and everything it started are killed
-    cpu_time   RLIMIT_CPU per process (SIGXCPU)
+    cpu_time   RLIMIT_CPU per process (SIGXCPU); all processes of a slot together get at most
+               `cpu_cores` of CPU bandwidth (cpu cgroup quota), so a call uses at most
+               cpu_cores x its wall time of CPU whatever it forks
     memory     RLIMIT_AS per process (MemoryError), and the slot's memory cgroup, which bounds the
                sum over all its processes and tmpfs pages (OOM kill, seen in memory.oom_control)
-    processes  RLIMIT_NPROC on the slot's uid (fork fails with EAGAIN at the cap)
+    processes  the slot's pids cgroup (max_processes tasks: bwrap, zygote, spawner and the call's
+               processes and threads) and RLIMIT_NPROC of the call uid (fork fails with EAGAIN)
     file_size  RLIMIT_FSIZE (SIGXFSZ)
-    disk       the private /tmp or /dev/shm tmpfs (tmpfs_bytes each) filled up
+    disk       the private /tmp or /dev/shm tmpfs (tmpfs_bytes, max_inodes each) filled up
     output     stdout or stderr over max_output_bytes; the child is killed at once
+
+What comes back from a sandbox is parsed as untrusted bytes: a frame longer than the largest
+result can be, a body that is not a JSON object with exactly the result's fields and types, or a
+frame when no call runs, ends that sandbox (its call answered `sandbox_error`, the slot
+restarted); the server itself never fails on it.
 
 Backpressure: a slot runs one call at a time; calls wait in a FIFO queue (bounded by the server's
 max_in_flight) and one that waited past its deadline is answered `deadline_exceeded` without
@@ -33,7 +53,8 @@ running. A sandbox that dies or does not answer within its call's timeout plus
 `wedged_grace_s` is killed (its process group), its call answered `sandbox_error`, and the slot
 restarted.
 
-The service refuses to start if `bwrap` is not installed: it never runs code unsandboxed.
+The service refuses to start if `bwrap`, `setpriv`, the system's libseccomp bindings or root are
+missing: it never runs code less sandboxed than described here.
 """
 
 from __future__ import annotations
@@ -42,6 +63,7 @@ import collections
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import struct
@@ -58,6 +80,25 @@ log = logging.getLogger(__name__)
 ZYGOTE_SOURCE = (Path(__file__).parent / "sandbox_zygote.py").read_text()
 MAX_CODE_CHARS = 100_000
 MAX_STDIN_CHARS = 1_000_000
+CALL_UID_INSIDE = 1000
+"""The call's uid (and gid) inside the sandbox's user namespace; the zygote's is 0."""
+CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
+CPU_PERIOD_US = 100_000
+LIMITS = frozenset({"wall_time", "cpu_time", "memory", "processes", "file_size", "disk", "output"})
+
+# Runs as the slot's zygote uid, so that the user namespace it makes is owned by that uid and bwrap
+# (same uid) may join it; the server writes the namespace's uid/gid maps from outside.
+USERNS_HELPER = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER) failed")
+with open("/proc/sys/user/max_user_namespaces", "w") as f:  # this namespace's own limit
+    f.write("0")
+sys.stdout.write("ready\\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
 
 
 @dataclass
@@ -65,7 +106,8 @@ class SandboxConfig:
     num_workers: int = 4
     """Sandboxes started ahead of time; calls beyond this many wait in a queue."""
     python: str = "/usr/bin/python3"
-    """Interpreter inside the sandbox (bound read-only from the host's /usr)."""
+    """Interpreter inside the sandbox (bound read-only from the host's /usr); it must be able to
+    import the system's libseccomp bindings (Debian `python3-seccomp`)."""
     default_timeout_s: float = 5.0
     """Wall time of a call that names no timeout_s."""
     max_timeout_s: float = 30.0
@@ -73,21 +115,28 @@ class SandboxConfig:
     memory_bytes: int = 1 << 30
     """RLIMIT_AS per process, and the slot's memory cgroup limit (all its processes and tmpfs).
     256 MiB breaks imports of numpy-sized modules; 1 GiB is workable."""
+    zygote_memory_bytes: int = 256 << 20
+    """RLIMIT_AS of the zygote and of the spawner (each uses about 30 MiB of address space)."""
     max_processes: int = 32
-    """Processes (and threads) in one sandbox at once, the zygote included."""
+    """Tasks (processes and threads) in one sandbox at once: bwrap's monitor, the zygote and the
+    spawner count, so a call may have max_processes - 3."""
+    cpu_cores: float = 1.0
+    """CPU bandwidth of one sandbox, all its processes together, in cores (cgroup cpu quota)."""
     max_file_bytes: int = 16 << 20
     """Largest file one call may write."""
     tmpfs_bytes: int = 64 << 20
     """Size of the private /tmp and of /dev/shm, each."""
+    max_inodes: int = 4096
+    """Files, directories and links in /tmp and in /dev/shm, each (tmpfs nr_inodes)."""
     max_output_bytes: int = 64 << 10
     """stdout and stderr kept per call, each; more kills the call (limit "output")."""
     uid_base: int = 61000
-    """Slot i runs as uid/gid uid_base + i when the server runs as root."""
+    """Slot i uses host uids (and gids) uid_base + 2i (zygote) and uid_base + 2i + 1 (calls)."""
     wedged_grace_s: float = 5.0
     """Extra seconds past a call's timeout before its sandbox is declared wedged and killed."""
-    memory_cgroup: bool = True
-    """Put each slot in its own cgroup-v1 memory cgroup (needs root and a writable
-    /sys/fs/cgroup/memory). Without it only the per-process RLIMIT_AS bounds memory."""
+    cgroups: bool = True
+    """Put each slot in its own cgroup-v1 memory, pids and cpu cgroups (needs them mounted
+    read-write). Without them only per-process rlimits bound memory, processes and CPU."""
 
     def validate(self) -> None:
         if shutil.which("bwrap") is None:
@@ -95,9 +144,15 @@ class SandboxConfig:
                 "the python tool needs bubblewrap (`bwrap`) and will not run code unsandboxed: "
                 "install it with `apt-get install -y bubblewrap` (scripts/setup.sh does this)"
             )
-        if os.geteuid() == 0 and shutil.which("setpriv") is None:
-            raise RuntimeError("running as root, the python tool needs `setpriv` (util-linux) to drop to an "
-                               "unprivileged uid per sandbox")
+        if os.geteuid() != 0:
+            raise RuntimeError(
+                "the python tool must run as root: each sandbox's user namespace maps two unprivileged "
+                "uids (the sandbox's supervisor and the call, so that the call cannot trace or signal "
+                "its supervisor), which only a privileged process may set up"
+            )
+        if shutil.which("setpriv") is None:
+            raise RuntimeError("the python tool needs `setpriv` (util-linux) to start each sandbox under "
+                               "its unprivileged uid")
         if not os.access(self.python, os.X_OK) or not self.python.startswith("/usr/"):
             raise ValueError(f"sandbox interpreter {self.python!r} must be an executable under /usr "
                              "(only /usr is visible inside the sandbox)")
@@ -105,25 +160,52 @@ class SandboxConfig:
             raise ValueError(f"--workers must be >= 1, got {self.num_workers}")
         if not 0 < self.default_timeout_s <= self.max_timeout_s:
             raise ValueError("need 0 < default_timeout_s <= max_timeout_s")
-        if self.max_processes < 2:
-            raise ValueError("max_processes must be >= 2 (the zygote and the call)")
-        if self.memory_cgroup and _memory_cgroup_root() is None:
+        if self.max_processes < 4:
+            raise ValueError("max_processes must be >= 4 (bwrap, the zygote, the spawner and the call)")
+        if self.cpu_cores <= 0:
+            raise ValueError(f"cpu_cores must be > 0, got {self.cpu_cores}")
+        if self.max_inodes < 16:
+            raise ValueError(f"max_inodes must be >= 16, got {self.max_inodes}")
+        if self.zygote_memory_bytes > self.memory_bytes:
+            raise ValueError("zygote_memory_bytes must not exceed memory_bytes (a call's limit)")
+        if self.cgroups:
+            cgroup_roots()  # raises, naming the controller that is missing
+
+    def seccomp_module_dir(self) -> str:
+        """Where the sandbox interpreter finds the system's libseccomp bindings (under /usr)."""
+        found = subprocess.run(
+            [self.python, "-I", "-c", "import os, seccomp; print(os.path.dirname(seccomp.__file__))"],
+            capture_output=True, text=True, timeout=30,
+        )
+        module_dir = found.stdout.strip()
+        if found.returncode != 0 or not module_dir.startswith("/usr/"):
             raise RuntimeError(
-                "cannot create memory cgroups (needs root and cgroup v1 memory mounted read-write at "
-                "/sys/fs/cgroup/memory); set SandboxConfig.memory_cgroup=False to rely on per-process "
-                "RLIMIT_AS only, which does not bound the total memory of a call's processes"
+                f"the python tool filters a call's system calls with libseccomp, but {self.python} cannot "
+                f"import it from /usr ({found.stderr.strip().splitlines()[-1:] or module_dir!r}): install "
+                "it with `apt-get install -y python3-seccomp` (scripts/setup.sh does this)"
             )
+        return module_dir
 
 
-def _memory_cgroup_root() -> Path | None:
-    if os.geteuid() != 0:
-        return None
+def cgroup_roots() -> dict[str, Path]:
+    """This process's own cgroup directory per controller (cgroup v1), each writable."""
+    own: dict[str, str] = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            root = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            return root if os.access(root, os.W_OK) else None
-    return None
+        for controller in controllers.split(","):
+            own[controller] = path
+    roots = {}
+    for controller in CGROUP_CONTROLLERS:
+        root = Path("/sys/fs/cgroup") / controller / own.get(controller, "/").lstrip("/")
+        if controller not in own or not os.access(root, os.W_OK):
+            raise RuntimeError(
+                f"cannot create {controller} cgroups (needs root and cgroup v1 {controller} mounted "
+                f"read-write at /sys/fs/cgroup/{controller}); set SandboxConfig.cgroups=False "
+                "(--no-cgroups) to rely on per-process rlimits only, which bound neither the total "
+                "memory nor the total CPU of a call's processes"
+            )
+        roots[controller] = root
+    return roots
 
 
 def _empty_cgroup(cgroup: Path, timeout_s: float) -> None:
@@ -148,31 +230,95 @@ def _remove_stale_cgroups(root: Path) -> None:
                 cgroup.rmdir()
 
 
-def _oom_kills(cgroup: Path | None) -> int:
-    if cgroup is None:
-        return 0
-    for line in (cgroup / "memory.oom_control").read_text().splitlines():
-        if line.startswith("oom_kill "):
-            return int(line.split()[1])
-    return 0
+def _counter(path: Path, key: str) -> int:
+    for line in path.read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    raise RuntimeError(f"{path} has no {key!r} line")
+
+
+class SandboxProtocolError(Exception):
+    """A sandbox sent bytes that are not a well-formed frame of the zygote protocol."""
+
+
+class FrameReader:
+    """Splits the byte stream from a sandbox into frames: a 4-byte big-endian length, then that
+    many bytes of UTF-8 JSON holding an object. Anything else raises SandboxProtocolError; at
+    most 4 + max_frame_bytes bytes are ever buffered."""
+
+    def __init__(self, max_frame_bytes: int):
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict]:
+        self._buf += data
+        frames = []
+        while len(self._buf) >= 4:
+            (size,) = struct.unpack_from(">I", self._buf)
+            if size > self.max_frame_bytes:
+                raise SandboxProtocolError(f"a frame of {size} bytes announced; results are at most "
+                                           f"{self.max_frame_bytes}")
+            if len(self._buf) < 4 + size:
+                break
+            body = bytes(self._buf[4 : 4 + size])
+            del self._buf[: 4 + size]
+            try:
+                frame = json.loads(body)
+            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+                raise SandboxProtocolError(f"a frame is not JSON: {exc}") from None
+            if not isinstance(frame, dict):
+                raise SandboxProtocolError(f"a frame is JSON {type(frame).__name__}, not an object")
+            frames.append(frame)
+        return frames
+
+
+_RESULT_TYPES: dict[str, tuple[type, ...]] = {
+    "stdout": (str,), "stderr": (str,), "exit_code": (int,), "limit": (str, type(None)),
+    "duration_s": (int, float),
+}
+
+
+def check_result(frame: dict) -> dict:
+    """`frame` if it is a result the zygote can send, else SandboxProtocolError saying why."""
+    if frame.keys() != _RESULT_TYPES.keys():
+        raise SandboxProtocolError(f"a result has fields {sorted(map(str, frame))}; expected {sorted(_RESULT_TYPES)}")
+    for name, types in _RESULT_TYPES.items():
+        if not isinstance(frame[name], types) or isinstance(frame[name], bool):
+            raise SandboxProtocolError(f"result field {name!r} is {type(frame[name]).__name__}")
+    if frame["limit"] is not None and frame["limit"] not in LIMITS:
+        raise SandboxProtocolError(f"result names an unknown limit {frame['limit'][:40]!r}")
+    return frame
 
 
 class _Slot:
-    def __init__(self, index: int):
+    def __init__(self, index: int, max_frame_bytes: int):
         self.index = index
+        self.max_frame_bytes = max_frame_bytes
         self.popen: subprocess.Popen | None = None
-        self.buf = bytearray()
+        self.reader = FrameReader(max_frame_bytes)
         self.ready = False
         self.job: Job | None = None
         self.job_timeout_s = 0.0
         self.job_started_s = 0.0
-        self.oom_kills_before = 0
-        self.cgroup: Path | None = None
+        # The slot's cgroup counters as of the end of its last call (or its start): the zygote kills
+        # every process of a call before it sends the result, so nothing moves them between one
+        # result and the next call, and reading them once per call (not at dispatch and at the
+        # result) is exact. 20-40 us a read, on the server's loop.
+        self.oom_kills_seen = 0
+        self.pids_max_hits_seen = 0
+        self.cgroups: dict[str, Path] | None = None
 
     @property
     def fd(self) -> int:
         assert self.popen is not None and self.popen.stdout is not None
         return self.popen.stdout.fileno()
+
+    def oom_kills(self) -> int:
+        return 0 if self.cgroups is None else _counter(self.cgroups["memory"] / "memory.oom_control", "oom_kill")
+
+    def pids_max_hits(self) -> int:
+        return 0 if self.cgroups is None else _counter(self.cgroups["pids"] / "pids.events", "max")
 
 
 class PythonTool(Tool):
@@ -200,23 +346,32 @@ class PythonTool(Tool):
     def __init__(self, config: SandboxConfig):
         config.validate()
         self.config = config
-        self.slots = [_Slot(i) for i in range(config.num_workers)]
+        # A result holds stdout and stderr of max_output_bytes each; JSON escapes a byte to at most
+        # 6 characters ("\ufffd" for an invalid one), plus a few fields.
+        max_frame_bytes = 12 * config.max_output_bytes + (64 << 10)
+        self.slots = [_Slot(i, max_frame_bytes) for i in range(config.num_workers)]
         self.queue: collections.deque[Job] = collections.deque()
         self._by_fd: dict[int, _Slot] = {}
-        self._cgroup_root = _memory_cgroup_root() if config.memory_cgroup else None
+        self._cgroup_roots = cgroup_roots() if config.cgroups else None
         self._zygote_cfg = json.dumps({
             "max_output_bytes": config.max_output_bytes,
             "max_processes": config.max_processes,
             "memory_bytes": config.memory_bytes,
+            "zygote_memory_bytes": config.zygote_memory_bytes,
             "cpu_time_s": int(config.max_timeout_s) + 1,
             "max_file_bytes": config.max_file_bytes,
+            "tmpfs_bytes": config.tmpfs_bytes,
+            "max_inodes": config.max_inodes,
+            "call_uid": CALL_UID_INSIDE,
+            "seccomp_module_dir": config.seccomp_module_dir(),
         })
 
     # --- slots -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._cgroup_root is not None:
-            _remove_stale_cgroups(self._cgroup_root)
+        if self._cgroup_roots is not None:
+            for root in self._cgroup_roots.values():
+                _remove_stale_cgroups(root)
         for slot in self.slots:
             self._spawn(slot)
         # Wait for every sandbox to say ready, so READY means "calls run now at full speed".
@@ -225,19 +380,32 @@ class PythonTool(Tool):
             if time.monotonic() > end:
                 raise RuntimeError(f"sandboxes not ready within 30 s: {[s.index for s in self.slots if not s.ready]}")
             for slot in self.slots:
-                if not slot.ready and self._read(slot, block=True) is None:
-                    raise RuntimeError(self._startup_failure(slot))
+                if not slot.ready:
+                    select.select([slot.fd], [], [], 1.0)
+                    try:
+                        frames = self._read(slot)
+                    except SandboxProtocolError as exc:
+                        raise RuntimeError(f"sandbox {slot.index} sent a malformed frame at start-up: {exc}") from None
+                    if frames is None:
+                        raise RuntimeError(self._startup_failure(slot))
+                    if frames:
+                        raise RuntimeError(f"sandbox {slot.index} sent a result before it was ready")
 
-    def _command(self, slot: _Slot) -> list[str]:
-        uid = self.config.uid_base + slot.index if os.geteuid() == 0 else os.getuid()
-        prefix = (
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
-            if os.geteuid() == 0 else []
-        )
+    def _zygote_uid(self, slot: _Slot) -> int:
+        return self.config.uid_base + 2 * slot.index
+
+    def _command(self, slot: _Slot, userns_fd: int) -> list[str]:
+        uid = self._zygote_uid(slot)
+        setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--"]
         tmpfs = str(self.config.tmpfs_bytes)
         bwrap = [
-            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--new-session", "--as-pid-1", "--hostname", "sandbox",
+            "bwrap", "--userns", str(userns_fd), "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup", "--die-with-parent", "--new-session", "--as-pid-1",
+            "--hostname", "sandbox", "--uid", "0", "--gid", "0",
+            # What the zygote needs inside the sandbox's namespaces: drop the call to its uid, kill
+            # the call's processes, mount fresh tmpfs and /proc options. Nothing on the host.
+            "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_KILL",
+            "--cap-add", "CAP_SYS_ADMIN",
             "--ro-bind", "/usr", "/usr",
         ]
         for name in ("bin", "lib", "lib64", "sbin"):
@@ -249,34 +417,76 @@ class PythonTool(Tool):
         bwrap += [
             "--proc", "/proc", "--dev", "/dev",
             "--size", tmpfs, "--tmpfs", "/tmp", "--size", tmpfs, "--tmpfs", "/dev/shm",
-            "--uid", str(uid), "--gid", str(uid),
+            "--remount-ro", "/dev", "--remount-ro", "/",
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
             "--setenv", "LANG", "C.UTF-8", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--chdir", "/tmp",
             self.config.python, "-I", "-S", "-c", ZYGOTE_SOURCE, self._zygote_cfg,
         ]
-        return prefix + bwrap
+        return setpriv + bwrap
+
+    def _make_userns(self, slot: _Slot) -> int:
+        """A user namespace mapping the slot's two uids and gids; returns an fd that holds it."""
+        uid = self._zygote_uid(slot)
+        helper = subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--",
+             self.config.python, "-I", "-S", "-c", USERNS_HELPER],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+        )
+        assert helper.stdin is not None and helper.stdout is not None
+        try:
+            ready, _, _ = select.select([helper.stdout], [], [], 10.0)
+            line = helper.stdout.readline() if ready else b""
+            if line != b"ready\n":
+                raise RuntimeError(f"the user-namespace helper of sandbox {slot.index} said {line!r} "
+                                   f"(status {helper.poll()}); its error is in this server's log above")
+            mapping = f"0 {uid} 1\n{CALL_UID_INSIDE} {uid + 1} 1\n"
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{helper.pid}/{name}", "w") as f:
+                    f.write(mapping)
+            return os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            helper.stdin.close()
+            helper.stdout.close()
+            try:
+                helper.wait(5)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait(5)
+
+    def _make_cgroups(self, slot: _Slot) -> dict[str, Path] | None:
+        if self._cgroup_roots is None:
+            return None
+        name = f"agentrl-sandbox-{os.getpid()}-{slot.index}"
+        cgroups = {controller: root / name for controller, root in self._cgroup_roots.items()}
+        for path in cgroups.values():
+            path.mkdir(exist_ok=True)
+        (cgroups["memory"] / "memory.limit_in_bytes").write_text(str(self.config.memory_bytes))
+        (cgroups["pids"] / "pids.max").write_text(str(self.config.max_processes))
+        (cgroups["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (cgroups["cpu"] / "cpu.cfs_quota_us").write_text(str(int(self.config.cpu_cores * CPU_PERIOD_US)))
+        return cgroups
 
     def _spawn(self, slot: _Slot) -> None:
-        cgroup = None
-        if self._cgroup_root is not None:
-            cgroup = self._cgroup_root / f"agentrl-sandbox-{os.getpid()}-{slot.index}"
-            cgroup.mkdir(exist_ok=True)
-            (cgroup / "memory.limit_in_bytes").write_text(str(self.config.memory_bytes))
-        slot.cgroup = cgroup
+        cgroups = slot.cgroups = self._make_cgroups(slot)
 
-        def enter_cgroup() -> None:  # runs in the forked child before exec: no thread-unsafe work
-            if cgroup is not None:
-                with open(cgroup / "cgroup.procs", "w") as f:
+        def enter_cgroups() -> None:  # runs in the forked child before exec: no thread-unsafe work
+            for path in (cgroups or {}).values():
+                with open(path / "cgroup.procs", "w") as f:
                     f.write(str(os.getpid()))
 
-        slot.popen = subprocess.Popen(
-            self._command(slot), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-            start_new_session=True, preexec_fn=enter_cgroup, bufsize=0,
-        )
+        userns_fd = self._make_userns(slot)
+        try:
+            slot.popen = subprocess.Popen(
+                self._command(slot, userns_fd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                start_new_session=True, preexec_fn=enter_cgroups, bufsize=0, pass_fds=(userns_fd,),
+            )
+        finally:
+            os.close(userns_fd)
         os.set_blocking(slot.fd, False)
-        slot.buf.clear()
+        slot.reader = FrameReader(slot.max_frame_bytes)
         slot.ready = False
         slot.job = None
+        slot.oom_kills_seen, slot.pids_max_hits_seen = slot.oom_kills(), slot.pids_max_hits()
         self._by_fd[slot.fd] = slot
 
     def _kill(self, slot: _Slot) -> None:
@@ -287,11 +497,11 @@ class PythonTool(Tool):
         except ProcessLookupError:
             pass  # already gone
         slot.popen.wait(5)
-        if slot.cgroup is not None:
+        if slot.cgroups is not None:
             # The sandbox's PID 1 runs in its own session (bwrap --new-session), so the group kill
             # above reaches only bwrap; its processes die by PDEATHSIG, asynchronously. Kill what
             # the cgroup still holds and wait until it is empty, so it can be reused or removed.
-            _empty_cgroup(slot.cgroup, timeout_s=5.0)
+            _empty_cgroup(slot.cgroups["pids"], timeout_s=5.0)
         for stream in (slot.popen.stdin, slot.popen.stdout):
             if stream is not None:
                 stream.close()
@@ -299,7 +509,7 @@ class PythonTool(Tool):
     def _startup_failure(self, slot: _Slot) -> str:
         assert slot.popen is not None
         return (f"sandbox {slot.index} exited during start-up (status {slot.popen.wait(5)}); its error is "
-                "in this server's log above (bwrap/setpriv message)")
+                "in this server's log above (bwrap/setpriv/zygote message)")
 
     def _restart(self, slot: _Slot, why: str) -> list[tuple[Job, Outcome]]:
         if not slot.ready:
@@ -314,31 +524,24 @@ class PythonTool(Tool):
         self._spawn(slot)
         return done
 
-    def _read(self, slot: _Slot, block: bool = False) -> list[dict] | None:
-        """Frames available from `slot`; None on EOF (the sandbox died)."""
-        assert slot.popen is not None and slot.popen.stdout is not None
-        if block:
-            import select
-
-            select.select([slot.fd], [], [], 1.0)
+    def _read(self, slot: _Slot) -> list[dict] | None:
+        """Result frames available from `slot`; None on EOF (the sandbox died). Raises
+        SandboxProtocolError on bytes that are not the protocol."""
         try:
             chunk = os.read(slot.fd, 1 << 20)
         except BlockingIOError:
             return []
         if not chunk:
             return None
-        slot.buf += chunk
-        frames = []
-        while len(slot.buf) >= 4:
-            (size,) = struct.unpack(">I", slot.buf[:4])
-            if len(slot.buf) < 4 + size:
-                break
-            frames.append(json.loads(slot.buf[4 : 4 + size]))
-            del slot.buf[: 4 + size]
-        for frame in frames:
-            if frame.get("ready"):
+        results = []
+        for frame in slot.reader.feed(chunk):
+            if not slot.ready:
+                if frame != {"ready": True}:
+                    raise SandboxProtocolError(f"expected the ready frame first, got fields {sorted(map(str, frame))}")
                 slot.ready = True
-        return [f for f in frames if not f.get("ready")]
+            else:
+                results.append(check_result(frame))
+        return results
 
     # --- Tool interface --------------------------------------------------------------------------
 
@@ -351,18 +554,29 @@ class PythonTool(Tool):
 
     def on_readable(self, fd: int) -> list[tuple[Job, Outcome]]:
         slot = self._by_fd[fd]
-        frames = self._read(slot)
-        if frames is None:
+        try:
+            results = self._read(slot)
+        except SandboxProtocolError as exc:
+            return self._restart(slot, f"it broke the protocol: {exc}") + self._dispatch(time.monotonic())
+        if results is None:
             code = slot.popen.poll() if slot.popen is not None else None
-            done = self._restart(slot, f"sandbox process exited (status {code})")
-        else:
-            done = []
-            for result in frames:
-                assert slot.job is not None, "sandbox answered with no call running"
-                if _oom_kills(slot.cgroup) > slot.oom_kills_before and result["limit"] is None:
+            return self._restart(slot, f"sandbox process exited (status {code})") + self._dispatch(time.monotonic())
+        done = []
+        for result in results:
+            if slot.job is None:
+                return done + self._restart(slot, "it sent a result with no call running") + self._dispatch(
+                    time.monotonic())
+            # The kernel's verdicts, which the sandbox cannot see: an OOM kill in the slot's memory
+            # cgroup, a fork refused by its pids cgroup.
+            oom_kills, pids_max_hits = slot.oom_kills(), slot.pids_max_hits()
+            if result["limit"] is None:
+                if oom_kills > slot.oom_kills_seen:
                     result["limit"] = "memory"
-                done.append((slot.job, Outcome(True, result)))
-                slot.job = None
+                elif pids_max_hits > slot.pids_max_hits_seen:
+                    result["limit"] = "processes"
+            slot.oom_kills_seen, slot.pids_max_hits_seen = oom_kills, pids_max_hits
+            done.append((slot.job, Outcome(True, result)))
+            slot.job = None
         return done + self._dispatch(time.monotonic())
 
     def tick(self, now_s: float) -> list[tuple[Job, Outcome]]:
@@ -387,14 +601,13 @@ class PythonTool(Tool):
             data = frame.encode()
             assert slot.popen is not None and slot.popen.stdin is not None
             try:
-                # A whole frame (<= ~1.1 MB) while the zygote waits in read(): it drains it at once.
+                # A whole frame (<= ~6 MB: stdin escaped) while the zygote waits in read().
                 slot.popen.stdin.write(struct.pack(">I", len(data)) + data)
             except BrokenPipeError:
                 self.queue.appendleft(job)
                 done += self._restart(slot, "sandbox input pipe closed")
                 continue
             slot.job, slot.job_timeout_s, slot.job_started_s = job, timeout_s, now_s
-            slot.oom_kills_before = _oom_kills(slot.cgroup)
         # Expire calls that have waited past their deadline even while all sandboxes are busy.
         if self.queue and self.queue[0].deadline_s <= now_s:
             keep = collections.deque()
@@ -436,8 +649,8 @@ class PythonTool(Tool):
             except subprocess.TimeoutExpired:
                 pass
             self._kill(slot)
-            if slot.cgroup is not None:
+            for path in (slot.cgroups or {}).values():
                 try:
-                    slot.cgroup.rmdir()
+                    path.rmdir()
                 except OSError as exc:
-                    log.warning("could not remove %s: %s", slot.cgroup, exc)
+                    log.warning("could not remove %s: %s", path, exc)

@@ -19,11 +19,22 @@ Backpressure, and why nothing is dropped silently:
   a reply). A call beyond that is answered at once with `overloaded`, which says it was NOT
   executed, so the client may resend it. Pings and describes are answered whatever the load of
   calls, so a busy replica still looks alive to its clients' heartbeats.
-- Replies are sent with ROUTER_MANDATORY and NOBLOCK. A reply that meets a full pipe (a client not
-  reading, at `sndhwm` messages) waits in `_outbound`, and while anything waits there the server
-  stops reading new requests: the pressure propagates to the clients' DEALER sockets, which block.
-  A reply to a peer that has disconnected cannot be delivered by anyone; it is counted in
+- Replies are sent with ROUTER_MANDATORY and NOBLOCK, per peer, in frames of at most
+  `max_reply_frame_bytes`. A peer whose ZeroMQ queue is full (`sndhwm` frames unread: it is not
+  reading) is *stalled*: its replies wait in the server's queue for it, its new calls are answered
+  `overloaded` (not executed) instead of run, and if what waits for it passes
+  `max_held_reply_bytes` those replies are dropped (counted in `num_replies_dropped_stalled`,
+  logged). Every other peer is served as before: one peer that stops reading cannot stall the
+  replies of the others, and the memory it can pin is bounded (ZeroMQ's queue: sndhwm frames;
+  the server's: max_held_reply_bytes).
+- A reply to a peer that has disconnected cannot be delivered by anyone; it is counted in
   `num_replies_unroutable` and logged.
+
+Hostile input: the ROUTER's MAXMSGSIZE is `max_frame_bytes`, so a larger frame never reaches
+memory (ZeroMQ drops that connection). Frames are decoded as untrusted msgpack; anything that is not
+a well-formed request is answered with a structured error naming the problem (with the request's id
+where one can be read), and a request element over `max_request_bytes` gets `request_too_large`
+with its id, so none of a batch's calls waits out its deadline for nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +65,14 @@ class ServerConfig:
     bind: str = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint to bind. Loopback by default; anything else needs the two curve_* fields."""
     max_request_bytes: int = 1 << 20
-    """Largest request payload accepted, in bytes; larger ones get `request_too_large`."""
+    """Largest request accepted (one element of a batch), in bytes; a larger one is answered
+    `request_too_large` with its id."""
+    max_frame_bytes: int = 4 << 20
+    """Largest request frame read, in bytes (ZeroMQ MAXMSGSIZE): a peer that sends a larger one is
+    disconnected by ZeroMQ before the frame is buffered."""
+    max_reply_frame_bytes: int = 4 << 20
+    """Largest reply frame sent, in bytes: a peer's replies are batched under it, and one reply larger
+    than it is replaced by `reply_too_large`. Clients' max_reply_bytes must be at least this."""
     max_in_flight: int = 4096
     """Calls accepted and not yet replied to; beyond it calls get `overloaded` (not executed)."""
     read_batch: int = 256
@@ -63,9 +81,12 @@ class ServerConfig:
     """Replies are sent after every this many finished inline calls rather than once per loop
     turn, so a client works on the first replies while the server computes the rest: with one
     flush per 64-call batch, client and server took turns instead of overlapping."""
-    sndhwm: int = 100_000
-    """Per-peer reply queue in ZeroMQ, in messages. Above max_in_flight so that only a client that
-    stops reading its replies ever fills it."""
+    sndhwm: int = 1000
+    """Per-peer reply queue in ZeroMQ, in frames (each at most max_reply_frame_bytes). Behind it are
+    the peer's TCP buffers and its own receive queue (10,000 frames for ToolClient), so only a
+    client that stops reading fills it; that peer is then stalled (see the module docstring)."""
+    max_held_reply_bytes: int = 64 << 20
+    """Replies held by the server for one stalled peer, in bytes; past it they are dropped."""
     linger_ms: int = 500
     """How long close() may spend delivering replies already queued, in milliseconds."""
     shutdown_grace_s: float = 2.0
@@ -79,6 +100,13 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_in_flight", "read_batch", "reply_batch", "sndhwm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_frame_bytes < self.max_request_bytes:
+            raise ValueError(f"max_frame_bytes ({self.max_frame_bytes}) must be >= max_request_bytes "
+                             f"({self.max_request_bytes}): a frame holds at least one request")
+        if self.max_reply_frame_bytes < 64 << 10:
+            raise ValueError("max_reply_frame_bytes must be >= 65536 (an error reply must always fit)")
+        if self.max_held_reply_bytes < self.max_reply_frame_bytes:
+            raise ValueError("max_held_reply_bytes must be >= max_reply_frame_bytes")
         curve = (self.curve_secret_key_file, self.curve_authorized_clients_dir)
         if any(curve) and not all(curve):
             raise ValueError(
@@ -148,6 +176,10 @@ class ToolFailure(Exception):
     """Raised by an inline tool for a failure of the call itself (bad expression, ...)."""
 
 
+def _internal_error(tool: str, exc: Exception) -> str:
+    return f"internal error in tool {tool}: {type(exc).__name__}: {str(exc)[:500]}"
+
+
 class Tool:
     """A tool hosted by a ToolServer. Inline tools override `run`; pooled tools override `submit`,
     `fds`, `on_readable`, `tick` (all called from the server's loop thread only)."""
@@ -161,12 +193,18 @@ class Tool:
         raise NotImplementedError
 
     def run_batch(self, jobs: list[Job]) -> list[Outcome]:
+        """Each call once: an unexpected exception from `run` is logged with its traceback and
+        answered as `tool_error` to that call alone (no retry of the batch, which would run
+        every call of it a second time)."""
         outcomes = []
         for job in jobs:
             try:
                 outcomes.append(Outcome(True, self.run(job.args)))
             except ToolFailure as exc:
                 outcomes.append(Outcome.failure(P.E_TOOL, str(exc)))
+            except Exception as exc:  # noqa: BLE001  logged here, and answered to this caller
+                log.exception("tool %s failed on call %d", self.spec.name, job.req_id)
+                outcomes.append(Outcome.failure(P.E_TOOL, _internal_error(self.spec.name, exc)))
         return outcomes
 
     def submit(self, jobs: list[Job]) -> list[tuple[Job, Outcome]]:
@@ -185,8 +223,7 @@ class Tool:
                 done.append((job, self.run_batch([job])[0]))
             except Exception as exc:  # noqa: BLE001  same: logged, and answered to this caller
                 log.exception("tool %s failed on call %d", self.spec.name, job.req_id)
-                message = f"internal error in tool {self.spec.name}: {type(exc).__name__}: {exc}"
-                done.append((job, Outcome.failure(P.E_TOOL, message)))
+                done.append((job, Outcome.failure(P.E_TOOL, _internal_error(self.spec.name, exc))))
         return done
 
     def fds(self) -> list[int]:
@@ -221,6 +258,20 @@ class ServerStats:
     num_calls_ok: int = 0
     num_errors: dict[str, int] = field(default_factory=collections.Counter)
     num_replies_unroutable: int = 0
+    num_replies_dropped_stalled: int = 0
+    num_frames_failed: int = 0
+    """Frames whose handling raised (a bug: logged with its traceback, answered malformed_request)."""
+
+
+@dataclass(slots=True)
+class _PeerQueue:
+    """Replies waiting to be handed to ZeroMQ for one peer."""
+
+    replies: list[tuple[bytes, bool]] = field(default_factory=list)
+    """(packed reply, whether it counts toward max_in_flight)"""
+    num_bytes: int = 0
+    stalled: bool = False
+    """Its last send met a full ZeroMQ queue: the peer is not reading."""
 
 
 class ToolServer:
@@ -234,8 +285,9 @@ class ToolServer:
         self._stop = False
         self._draining = False
         self._num_in_flight = 0
-        # peer -> [(packed reply, counts toward in-flight)], sent as one frame per peer per turn
-        self._outbound: dict[bytes, list[tuple[bytes, bool]]] = {}
+        # Replies for each peer, sent at the end of each loop turn (one frame per peer and turn when
+        # they fit max_reply_frame_bytes); only stalled peers' replies are left after a flush.
+        self._outbound: dict[bytes, _PeerQueue] = {}
         self._describe = [t.spec.describe() for t in tools]
 
     def stop(self) -> None:
@@ -255,6 +307,7 @@ class ToolServer:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.SNDHWM, self.config.sndhwm)
             sock.setsockopt(zmq.RCVHWM, self.config.sndhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
             if self.config.curve_secret_key_file:
                 auth = ThreadAuthenticator(ctx)
                 auth.start()
@@ -285,10 +338,9 @@ class ToolServer:
         fd_owner: dict[int, Tool] = {}
         while not self._stop:
             fd_owner = self._sync_fds(poller, fd_owner)
-            # Replies stuck behind a full peer pipe: stop reading (pressure goes back to clients)
-            # and retry sending every millisecond.
-            poller.modify(sock, 0 if self._outbound else zmq.POLLIN)
-            events = poller.poll(1 if self._outbound else 50)
+            # Replies held for stalled peers: retry sending them every 2 ms (ZeroMQ tells no one
+            # when a peer's queue drains).
+            events = poller.poll(2 if self._outbound else 50)
             for target, _ in events:
                 if target is sock:
                     self._read_requests(sock)
@@ -325,7 +377,8 @@ class ToolServer:
             self._finish(tool.abort_running())
         self._flush(sock)
         if self._outbound:
-            log.warning("shutdown: %d replies could not be sent (clients not reading)", len(self._outbound))
+            log.warning("shutdown: %d replies to %d peers could not be sent (clients not reading)",
+                        sum(len(q.replies) for q in self._outbound.values()), len(self._outbound))
 
     def _sync_fds(self, poller: zmq.Poller, fd_owner: dict[int, Tool]) -> dict[int, Tool]:
         # A pooled tool's fds change when it restarts a worker, so re-read them each turn.
@@ -345,7 +398,14 @@ class ToolServer:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            for tool_name, job in self._admit(frames, time.monotonic()):
+            try:
+                admitted = self._admit(frames, time.monotonic())
+            except Exception:  # noqa: BLE001  logged with its traceback and answered; the loop serves on
+                self.stats.num_frames_failed += 1
+                log.exception("handling a frame from peer %s failed", frames[0].hex()[:32])
+                self._reject(frames[0], None, P.E_MALFORMED, "the server failed on this frame (logged there)")
+                continue
+            for tool_name, job in admitted:
                 pending = calls[tool_name]
                 pending.append(job)
                 if len(pending) >= self.config.reply_batch:
@@ -363,29 +423,37 @@ class ToolServer:
             self._reject(peer, None, P.E_BAD_FRAMES, f"expected 1 payload frame, got {len(frames) - 1}")
             return []
         payload = frames[1]
-        if len(payload) > self.config.max_request_bytes:
-            self._reject(
-                peer, None, P.E_TOO_LARGE,
-                f"request is {len(payload)} bytes; this server accepts at most {self.config.max_request_bytes}",
-            )
-            return []
         try:
-            decoded = P.unpack(payload)
+            elements = self._decode(payload)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            self._reject(peer, None, P.E_MALFORMED, f"payload is not valid msgpack: {exc}")
+            self._reject(peer, None, P.E_MALFORMED, f"payload is not valid msgpack: {P.short_repr(str(exc), 200)}")
             return []
-        self.stats.num_requests += len(decoded) if isinstance(decoded, list) else 1
+        self.stats.num_requests += len(elements)
         calls = []
-        for msg in decoded if isinstance(decoded, list) else [decoded]:
+        for msg, num_bytes in elements:
+            if num_bytes > self.config.max_request_bytes:
+                self._reject(
+                    peer, _request_id(msg), P.E_TOO_LARGE,
+                    f"request is {num_bytes} bytes; this server accepts at most {self.config.max_request_bytes}",
+                )
+                continue
             call = self._admit_one(peer, msg, now)
             if call is not None:
                 calls.append(call)
         return calls
 
+    def _decode(self, payload: bytes) -> list[tuple[Any, int]]:
+        """The payload's requests with their sizes in bytes (0: known to be within the limit)."""
+        if len(payload) <= self.config.max_request_bytes:  # the common case: nothing to measure
+            decoded = P.unpack(payload)
+            return [(msg, 0) for msg in decoded] if isinstance(decoded, list) else [(decoded, 0)]
+        return P.unpack_sized(payload)
+
     def _admit_one(self, peer: bytes, msg: Any, now: float) -> tuple[str, Job] | None:
-        if not isinstance(msg, dict) or not isinstance(msg.get("id"), int) or isinstance(msg.get("id"), bool):
+        req_id = _request_id(msg)
+        if req_id is None:
             return self._reject(peer, None, P.E_MALFORMED, "request must be a map with an integer 'id'")
-        req_id, op = msg["id"], msg.get("op")
+        op = msg.get("op")
         if op == P.OP_PING:
             self._send_later(peer, P.reply(req_id, {"in_flight": self._num_in_flight}, 0.0))
             return None
@@ -393,11 +461,13 @@ class ToolServer:
             self._send_later(peer, P.reply(req_id, self._describe, 0.0))
             return None
         if op != P.OP_CALL:
-            return self._reject(peer, req_id, P.E_UNKNOWN_OP, f"op must be call, describe or ping; got {op!r}")
-        tool = self.tools.get(msg.get("tool"))  # type: ignore[arg-type]
+            return self._reject(peer, req_id, P.E_UNKNOWN_OP,
+                                f"op must be call, describe or ping; got {P.short_repr(op)}")
+        tool_name = msg.get("tool")
+        tool = self.tools.get(tool_name) if isinstance(tool_name, str) else None
         if tool is None:
             return self._reject(
-                peer, req_id, P.E_UNKNOWN_TOOL, f"no tool {msg.get('tool')!r} here; tools: {sorted(self.tools)}"
+                peer, req_id, P.E_UNKNOWN_TOOL, f"no tool {P.short_repr(tool_name)} here; tools: {sorted(self.tools)}"
             )
         timeout_s = msg.get("timeout_s")
         if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or math.isnan(timeout_s):
@@ -410,6 +480,12 @@ class ToolServer:
             return self._reject(peer, req_id, P.E_INVALID_ARGS, problem)
         if self._draining:
             return self._reject(peer, req_id, P.E_SHUTTING_DOWN, "server is stopping; not executed")
+        queue = self._outbound.get(peer)
+        if queue is not None and queue.stalled:
+            return self._reject(
+                peer, req_id, P.E_OVERLOADED,
+                "your earlier replies are not being read (this server's queue to you is full); not executed",
+            )
         if self._num_in_flight >= self.config.max_in_flight:
             return self._reject(
                 peer, req_id, P.E_OVERLOADED,
@@ -417,7 +493,6 @@ class ToolServer:
             )
         self._num_in_flight += 1
         return tool.spec.name, Job(peer, req_id, args, now, now + float(timeout_s))
-
 
     def _reject(self, peer: bytes, req_id: int | None, err_type: str, message: str) -> None:
         self.stats.num_errors[err_type] += 1
@@ -437,27 +512,80 @@ class ToolServer:
                 assert outcome.error is not None
                 self.stats.num_errors[outcome.error.type] += 1
                 payload = P.error_reply(job.req_id, outcome.error.type, outcome.error.message, latency_s)
-            self._outbound.setdefault(job.peer, []).append((payload, True))
+            if len(payload) > self.config.max_reply_frame_bytes:
+                self.stats.num_errors[P.E_REPLY_TOO_LARGE] += 1
+                message = (f"the result is {len(payload)} bytes packed; this server sends at most "
+                           f"{self.config.max_reply_frame_bytes} (max_reply_frame_bytes)")
+                payload = P.error_reply(job.req_id, P.E_REPLY_TOO_LARGE, message, latency_s)
+            self._hold(job.peer, payload, counted=True)
 
     def _send_later(self, peer: bytes, payload: bytes) -> None:
-        self._outbound.setdefault(peer, []).append((payload, False))
+        self._hold(peer, payload, counted=False)
+
+    def _hold(self, peer: bytes, payload: bytes, counted: bool) -> None:
+        queue = self._outbound.get(peer)
+        if queue is None:
+            queue = self._outbound[peer] = _PeerQueue()
+        queue.replies.append((payload, counted))
+        queue.num_bytes += len(payload)
+        if queue.stalled and queue.num_bytes > self.config.max_held_reply_bytes:
+            self.stats.num_replies_dropped_stalled += len(queue.replies)
+            log.warning("peer %s reads no replies: %d replies (%d bytes) held for it dropped (%d so far)",
+                        peer.hex()[:32], len(queue.replies), queue.num_bytes, self.stats.num_replies_dropped_stalled)
+            self._release(queue.replies)
+            del self._outbound[peer]
+
+    def _release(self, items: list[tuple[bytes, bool]]) -> None:
+        self._num_in_flight -= sum(counted for _, counted in items)
 
     def _flush(self, sock: zmq.Socket) -> None:
         for peer in list(self._outbound):
-            items = self._outbound[peer]
-            frame = items[0][0] if len(items) == 1 else P.pack_array([payload for payload, _ in items])
-            try:
-                sock.send_multipart([peer, frame], zmq.NOBLOCK)
-            except zmq.Again:
-                continue  # this peer's pipe is full: keep its replies, stop reading until it drains
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self.stats.num_replies_unroutable += len(items)
-                log.info("%d replies to a disconnected peer dropped (%d so far)", len(items),
-                         self.stats.num_replies_unroutable)
-            del self._outbound[peer]
-            self._num_in_flight -= sum(counted for _, counted in items)
+            queue = self._outbound[peer]
+            while queue.replies:
+                frame, num_items = self._next_frame(queue.replies)
+                try:
+                    sock.send_multipart([peer, frame], zmq.NOBLOCK)
+                except zmq.Again:
+                    queue.stalled = True  # its ZeroMQ queue is full: keep the rest, serve the others
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EHOSTUNREACH:
+                        raise
+                    self.stats.num_replies_unroutable += len(queue.replies)
+                    log.info("%d replies to a disconnected peer dropped (%d so far)", len(queue.replies),
+                             self.stats.num_replies_unroutable)
+                    num_items = len(queue.replies)
+                sent = queue.replies[:num_items]
+                del queue.replies[:num_items]
+                queue.num_bytes -= sum(len(payload) for payload, _ in sent)
+                queue.stalled = False
+                self._release(sent)
+            if not queue.replies:
+                del self._outbound[peer]
+
+    def _next_frame(self, replies: list[tuple[bytes, bool]]) -> tuple[bytes, int]:
+        """The longest prefix of `replies` that fits one frame (at least one reply), packed."""
+        if len(replies) == 1:
+            return replies[0][0], 1
+        budget = self.config.max_reply_frame_bytes - 5  # the array header
+        num_items = 0
+        for payload, _ in replies:
+            if num_items and len(payload) > budget:
+                break
+            budget -= len(payload)
+            num_items += 1
+        if num_items == 1:
+            return replies[0][0], 1
+        return P.pack_array([payload for payload, _ in replies[:num_items]]), num_items
+
+
+def _request_id(msg: Any) -> int | None:
+    """The request's id if it is a map with an integer id (booleans are not ids), else None."""
+    if isinstance(msg, dict):
+        req_id = msg.get("id")
+        if isinstance(req_id, int) and not isinstance(req_id, bool):
+            return req_id
+    return None
 
 
 def configure_logging(level: str = "INFO") -> None:
