@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("agentrl.learner.cli:main", "run the learner process"),
     "actor": ("agentrl.train:actor_main", "run the actor process (the orchestrator of a training run)"),
     "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
+    "gateway": ("agentrl.gateway.cli:main", "serve the OpenAI chat API in front of vLLM, recording sessions' exact tokens"),
     "demo": ("agentrl.demo:main", "serve the model, run token-in/token-out requests and one hot swap"),
 }
 
