@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--session-idle-s", type=float, default=600.0)
     p.add_argument("--max-sessions", type=int, default=16384)
+    p.add_argument("--render-check-every", type=int, default=8,
+                   help="re-render one recalled completion in N from its text to count drift (1: all, 0: none)")
     p.add_argument("--dtype", default="bfloat16", help="for the vLLM server the gateway starts")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="for the vLLM server the gateway starts")
     p.add_argument("--vllm-log", default=None, help="log file of the vLLM server the gateway starts")
@@ -77,11 +79,12 @@ def main(argv: list[str]) -> int:
                                                  gpu_memory_utilization=args.gpu_memory_utilization), log_path=args.vllm_log)
             print(f"starting vLLM server (log {server.log_path})", file=sys.stderr, flush=True)
             urls = [server.start()]
+            print(f"started vLLM server pid {server.pid} at {urls[0]}", file=sys.stderr, flush=True)
         from agentrl.gateway.server import GatewayConfig
 
         config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, max_model_len=max_model_len,
                                tool_parser=args.tool_parser, renderer=args.renderer, session_idle_s=args.session_idle_s,
-                               max_sessions=args.max_sessions)
+                               max_sessions=args.max_sessions, render_check_every=args.render_check_every)
         asyncio.run(_serve(config, model_dir, urls, args.chat_template))
     finally:
         if server is not None:

@@ -126,8 +126,10 @@ class Counters:
     num_segments: int = 0
     num_prefix_breaks: int = 0
     """Turns whose prompt extended no open segment (a new segment after the first)."""
+    num_render_checks: int = 0
+    """Recalled completions rendered again from their text (see GatewayConfig.render_check_every)."""
     num_render_drifts: int = 0
-    """Recalled completions whose text, rendered again, does not give the sampled ids."""
+    """Of those, the ones whose text did not give back the sampled ids."""
     num_spliced_messages: int = 0
     """Assistant messages in prompts that were the gateway's own completions (recorded ids used)."""
     num_unrecognised_assistant: int = 0
