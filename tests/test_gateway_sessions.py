@@ -92,14 +92,18 @@ def test_reusing_the_previous_rendering_gives_the_same_ids(chatml):
         [base[0], {"role": "user", "content": "Q edited"}, *base[2:]],  # an earlier message edited
         base[:2],  # truncated
     ]
-    previous = None
-    for messages in steps:
-        for tools in (tool_list(), None):
+    for tools in (tool_list(), None):
+        previous, num_reused = None, []
+        for messages in steps:
             req = request(messages, tools=TOOLS if tools else None)
             fresh = chatml.render(req.messages, tools, "", None)
+            if previous is not None:
+                num_reused.append(chatml._reusable(previous, req.messages, fresh.tools_key))
             reused = chatml.render(req.messages, tools, "", None, previous)
             assert reused.token_ids == fresh.token_ids and reused.message_ends == fresh.message_ends
             previous = reused
+        # 3 of base's 4 (not into the growing tool turn), then the 5 repeated, 1 before the edit, 1 (-> system only).
+        assert num_reused == [3, 5, 1, 1]
 
 
 QWEN_LIKE_TEMPLATE = (
