@@ -81,8 +81,8 @@ class GatewayConfig:
     """A session idle this long (no request in flight) is expired, seconds."""
     max_sessions: int = 16384
     """Open sessions at most; one more is refused with 429."""
-    sweep_interval_s: float = 10.0
-    """How often idle sessions are looked for, seconds."""
+    sweep_interval_s: float | None = None
+    """How often idle sessions are looked for, seconds; None: min(10, session_idle_s / 2)."""
     max_body_bytes: int = 32 * 2**20
     """Largest request body; beyond it the request is refused with 413."""
     default_temperature: float = 1.0
@@ -107,7 +107,7 @@ class GatewayConfig:
             raise ValueError(f"GatewayConfig.renderer must be 'auto', 'chatml' or 'template', got {self.renderer!r}")
         if self.render_check_every < 0 or (self.gc_threshold0 is not None and self.gc_threshold0 < 1):
             raise ValueError("GatewayConfig needs render_check_every >= 0 and gc_threshold0 >= 1 (or None)")
-        if self.max_model_len < 2 or self.max_sessions < 1 or self.session_idle_s <= 0 or self.sweep_interval_s <= 0:
+        if self.max_model_len < 2 or self.max_sessions < 1 or self.session_idle_s <= 0 or (self.sweep_interval_s is not None and self.sweep_interval_s <= 0):
             raise ValueError("GatewayConfig needs max_model_len >= 2, max_sessions >= 1, session_idle_s > 0 and sweep_interval_s > 0")
 
 
@@ -206,8 +206,9 @@ class Gateway:
             self._runner = None
 
     async def _sweep(self) -> None:
+        interval_s = self.config.sweep_interval_s or min(10.0, self.config.session_idle_s / 2)
         while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
+            await asyncio.sleep(interval_s)
             self.sessions.expire()
 
     # -- middleware and small endpoints -------------------------------------------------------------
