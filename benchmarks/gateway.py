@@ -18,6 +18,10 @@ the work of the process in front of it, per turn:
 - native: benchmarks/rollout.py's capacity part with 256 prompts x 4 samples = 1,024 concurrent
   episodes of 4 turns (the engine's ToolEnv, instant search over the same passages).
 
+The gateway process is pinned to the last core (on a machine with two or more) and the agent side
+and the stand-in to the others, so that it has one core and nothing else runs on it; the native side
+runs unpinned, as benchmarks/rollout.py runs it.
+
 Reported per side: wall-clock turns/s, CPU us per turn of the measured process (/proc for the
 gateway, process time for the in-process orchestrator) and turns per CPU second; for the gateway
 also the stand-in's and the agent side's CPU per turn. Medians of the measured runs (spread =
@@ -132,7 +136,8 @@ async def run_sessions(host: str, port: int, model: str, questions: list[str], p
     return len(connections) * num_turns, num_calls
 
 
-async def gateway_side(model_dir: str, standin_url: str, standin_pid: int, num_sessions: int, num_turns: int, num_runs: int) -> dict:
+async def gateway_side(model_dir: str, standin_url: str, standin_pid: int, num_sessions: int, num_turns: int, num_runs: int,
+                       gateway_cpu: int | None) -> dict:
     from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import SEARCH_PARAMETERS
 
@@ -141,6 +146,8 @@ async def gateway_side(model_dir: str, standin_url: str, standin_pid: int, num_s
     gateway = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "gateway", "--port", "0", "--vllm", standin_url,
                                 "--model", model_dir, "--max-model-len", "4096", "--max-sessions", str(2 * num_sessions)],
                                stdout=subprocess.PIPE, start_new_session=True)
+    if gateway_cpu is not None:
+        os.sched_setaffinity(gateway.pid, {gateway_cpu})
     try:
         line = gateway.stdout.readline().decode().strip()
         if not line.startswith("http://"):
@@ -205,6 +212,12 @@ def main() -> int:
     model_dir = str(prepare_model())
     result: dict = {"benchmark": "gateway", **rollout.machine(), "load_average_1m_start": round(os.getloadavg()[0], 2)}
     start = time.perf_counter()
+    # The gateway gets a core of its own ("on one core"); the agent side and the stand-in share the rest.
+    cores = sorted(os.sched_getaffinity(0))
+    gateway_cpu = cores[-1] if len(cores) >= 2 else None
+    if gateway_cpu is not None:
+        os.sched_setaffinity(0, set(cores[:-1]))
+    result["gateway_pinned_cpu"] = gateway_cpu
     port = rollout.free_port()
     standin = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "standin_token_server.py"), "--port", str(port),
                                 "--tokenizer", model_dir], stdout=subprocess.PIPE, start_new_session=True)
@@ -212,10 +225,12 @@ def main() -> int:
         line = standin.stdout.readline().decode()
         if not line.startswith("READY"):
             raise RuntimeError(f"stand-in token server did not start (said {line!r})")
-        result.update(asyncio.run(gateway_side(model_dir, f"http://127.0.0.1:{port}", standin.pid, num_sessions, num_turns, num_runs)))
+        result.update(asyncio.run(gateway_side(model_dir, f"http://127.0.0.1:{port}", standin.pid, num_sessions, num_turns, num_runs,
+                                                gateway_cpu)))
     finally:
         os.killpg(standin.pid, signal.SIGTERM)
         standin.wait(10)
+        os.sched_setaffinity(0, set(cores))  # the native side runs as benchmarks/rollout.py runs it: unpinned
     if not args.skip_native:
         # The native side starts its own stand-in (rollout.capacity owns it); same size: 1,024 episodes of 4 turns.
         native = asyncio.run(rollout.capacity(model_dir, num_prompts=num_sessions // 4, group_size=4, num_runs=num_runs))

@@ -31,6 +31,10 @@ action is cut where the family's parser says it ends (after the last call, befor
 response), as the native env cuts: the kept ids are an exact prefix of what was sampled and are
 what `usage.completion_tokens` counts and the session records.
 
+Exactness checks: one recalled completion in `render_check_every` is rendered again from its text
+and compared with its sampled ids (`num_render_checks`, `num_render_drifts`, a warning naming the
+first differing prompt position); prompts use the recorded ids whatever the check finds.
+
 Errors: every refusal is OpenAI's error JSON with a 4xx status naming the field; the inference
 servers failing is 502/503; a bug in a handler is logged with its traceback, counted in
 `num_internal_errors` and answered 500, and the gateway keeps serving.
@@ -92,6 +96,8 @@ class GatewayConfig:
     700); None leaves it alone. With 1,024 sessions open the default collector re-traverses their
     records again and again: measured in benchmarks/gateway.py, 844 CPU us per turn at the default
     against 607 at 100,000. Request handling frees its objects by reference counting."""
+    shutdown_grace_s: float = 5.0
+    """On stop, how long requests in flight may still run before they are cancelled, seconds."""
     render_check_every: int = 8
     """Re-render one recalled completion in this many from its text and compare with its sampled
     ids (1: every one; 0: never); a difference counts in `num_render_drifts` and logs the first
@@ -158,6 +164,7 @@ class Gateway:
         self._sweeper: asyncio.Task | None = None
         self._gc_thresholds: tuple[int, ...] | None = None
         self._num_recalled_unchecked = 0
+        self._sweeper_error: str | None = None
         self.base_url: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -177,13 +184,15 @@ class Gateway:
         def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
             return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body)
 
-        self._runner = web.ServerRunner(web.Server(self._handle, request_factory=make_request, access_log=None))
+        self._runner = web.ServerRunner(web.Server(self._handle, request_factory=make_request, access_log=None),
+                                        shutdown_timeout=self.config.shutdown_grace_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = self._runner.addresses[0][1]
         self.base_url = f"http://{self.config.host}:{port}"
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-session-sweeper")
+        self._sweeper.add_done_callback(self._sweeper_ended)
         if self.config.gc_threshold0 is not None:
             self._gc_thresholds = gc.get_threshold()
             gc.collect()
@@ -192,7 +201,9 @@ class Gateway:
         log.info("gateway serving %s on %s (renderer %s, tool parser %s)", self.model_name, self.base_url, self.renderer.name, self.family)
         return self.base_url
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Stop serving: requests in flight get `shutdown_grace_s` to finish, then are cancelled."""
+        timeout_s = timeout_s if timeout_s is not None else 2 * self.config.shutdown_grace_s + 5.0
         if self._gc_thresholds is not None:
             gc.set_threshold(*self._gc_thresholds)
             gc.unfreeze()
@@ -205,13 +216,20 @@ class Gateway:
             await asyncio.wait_for(self._runner.cleanup(), timeout_s)
             self._runner = None
 
+    def _sweeper_ended(self, task: asyncio.Task) -> None:
+        """A sweeper that died (an `on_session_end` hook raised) is logged and makes /health fail:
+        sessions would otherwise pile up unexpired without a sign."""
+        if not task.cancelled() and task.exception() is not None:
+            self._sweeper_error = f"{type(task.exception()).__name__}: {task.exception()}"
+            log.error("the session sweeper stopped: %s", self._sweeper_error, exc_info=task.exception())
+
     async def _sweep(self) -> None:
         interval_s = self.config.sweep_interval_s or min(10.0, self.config.session_idle_s / 2)
         while True:
             await asyncio.sleep(interval_s)
             self.sessions.expire()
 
-    # -- middleware and small endpoints -------------------------------------------------------------
+    # -- routing, errors and small endpoints --------------------------------------------------------
 
     def _route(self, method: str, path: str):
         """(handler, session id from the URL or None); GatewayError 404/405 for no route."""
@@ -252,6 +270,8 @@ class Gateway:
             return _json(P.GatewayError(500, f"internal gateway error: {type(err).__name__}: {err}", code="internal_error").body(), 500)
 
     async def _health(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+        if self._sweeper_error is not None:
+            return _json({"status": f"the session sweeper stopped: {self._sweeper_error}"}, 503)
         return _json({"status": "ok"})
 
     async def _stats(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
