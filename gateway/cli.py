@@ -60,31 +60,38 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_on_sigterm()  # a SIGTERM while the vLLM server starts still runs the `finally` that stops it
+    if args.vllm:
+        served = _served_model(args.vllm[0]) if args.model is None or args.max_model_len is None else {}
+        model_dir = args.model or served.get("root") or served.get("id")
+        if not (Path(model_dir) / "tokenizer_config.json").is_file():
+            raise SystemExit(f"agentrl gateway: {args.vllm[0]} serves {model_dir!r}, not a local folder here; give --model DIR (its tokenizer)")
+        max_model_len = args.max_model_len or int(served["max_model_len"])
+    else:
+        from agentrl.model import resolve_model
+
+        model_dir = str(resolve_model(args.model))
+        max_model_len = args.max_model_len or 4096
+    from agentrl.gateway.server import GatewayConfig
+
+    try:  # checked before any server starts
+        config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                               max_model_len=max_model_len, tool_parser=args.tool_parser, renderer=args.renderer,
+                               session_idle_s=args.session_idle_s, max_sessions=args.max_sessions,
+                               render_check_every=args.render_check_every)
+    except ValueError as err:
+        raise SystemExit(f"agentrl gateway: {err}") from err
     server = None
     try:
         if args.vllm:
             urls = list(args.vllm)
-            served = _served_model(urls[0]) if args.model is None or args.max_model_len is None else {}
-            model_dir = args.model or served.get("root") or served.get("id")
-            if not (Path(model_dir) / "tokenizer_config.json").is_file():
-                raise SystemExit(f"agentrl gateway: {urls[0]} serves {model_dir!r}, not a local folder here; give --model DIR (its tokenizer)")
-            max_model_len = args.max_model_len or int(served["max_model_len"])
         else:
             from agentrl.engine.serve import VLLMServer, VLLMServerConfig
-            from agentrl.model import resolve_model
 
-            model_dir = str(resolve_model(args.model))
-            max_model_len = args.max_model_len or 4096
             server = VLLMServer(VLLMServerConfig(model_dir=model_dir, dtype=args.dtype, max_model_len=max_model_len,
                                                  gpu_memory_utilization=args.gpu_memory_utilization), log_path=args.vllm_log)
             print(f"starting vLLM server (log {server.log_path})", file=sys.stderr, flush=True)
             urls = [server.start()]
             print(f"started vLLM server pid {server.pid} at {urls[0]}", file=sys.stderr, flush=True)
-        from agentrl.gateway.server import GatewayConfig
-
-        config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name, max_model_len=max_model_len,
-                               tool_parser=args.tool_parser, renderer=args.renderer, session_idle_s=args.session_idle_s,
-                               max_sessions=args.max_sessions, render_check_every=args.render_check_every)
         asyncio.run(_serve(config, model_dir, urls, args.chat_template))
     finally:
         if server is not None:

@@ -340,3 +340,35 @@ def test_a_gateway_starts_its_own_vllm_server_and_stops_it_on_sigterm(model_dir,
     assert code == 0
     with pytest.raises(ProcessLookupError):
         os.killpg(vllm_pid, 0)  # the server's whole process group is gone
+
+
+def test_the_tokenizers_tool_template_is_used_and_its_rendering_drift_is_counted(vllm_server, tmp_path, tokenizer):
+    template = Path(__file__).parent / "fixtures" / "qwen_like_tool_template.jinja"
+    gw = start_gateway(["--vllm", vllm_server.base_url, "--chat-template", str(template), "--render-check-every", "1"],
+                       tmp_path / "gateway.log")
+    try:
+        stats = gw.http("GET", "/agentrl/stats")[1]
+        assert (stats["renderer"], stats["tool_parser"]) == ("template", "hermes")
+        client = gw.client("template")
+        messages = agent_messages()
+        first = chat(client, messages, tool_choice="required")
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "search" and first.choices[0].finish_reason == "tool_calls"
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+        second = chat(client, messages, tool_choice="none")
+        record = gw.record("template")
+        (segment,) = record["segments"]  # the sampled call went back in as its ids: one segment
+        counters = record["counters"]
+        assert counters["num_spliced_messages"] == 1 and counters["num_prefix_breaks"] == 0
+        # The template writes a call as <tool_call>\n{...}\n</tool_call>; the model, continuing the prefill
+        # <tool_call>, wrote none of those newlines: the check sees it.
+        assert counters["num_render_checks"] == 1 and counters["num_render_drifts"] == 1
+        assert "differs from the recorded ids at prompt position" in gw.log_path.read_text()
+        first_turn, second_turn = segment["turns"]
+        assert second_turn["action_end"] - second_turn["action_start"] == second.usage.completion_tokens
+        text = tokenizer.decode(segment["token_ids"])
+        assert "<|im_start|>assistant\n<tool_call>{" in text  # the prefill <tool_call> is a prompt token, the call sampled
+        assert segment["is_action"][first_turn["action_start"] - 1] == 0 and segment["is_action"][first_turn["action_start"]] == 1
+        assert f"<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response>" in text and "<|im_end|><|im_end|>" not in text
+    finally:
+        assert stop_gateway(gw.proc) == 0

@@ -5,6 +5,7 @@ template path, segments, trajectories and the session lifecycle."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -106,19 +107,9 @@ def test_reusing_the_previous_rendering_gives_the_same_ids(chatml):
         assert num_reused == [3, 5, 1, 1]
 
 
-QWEN_LIKE_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' %}\n<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for tc in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
-    "{{ tc.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>"
-    "{%- elif message.role == 'tool' %}\n<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>"
-    "{%- else %}\n<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}"
-)
+# A Qwen2.5-style template that handles `tools` (tools in the system turn, calls as <tool_call> blocks,
+# results in a user turn), for SmolLM2's ChatML tokenizer: the Jinja path without a hub download.
+QWEN_LIKE_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen_like_tool_template.jinja").read_text()
 
 
 @pytest.fixture(scope="module")
