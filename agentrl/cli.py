@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from agentrl.common.procs import exit_on_sigterm  # noqa: F401  (re-exported for scripts)
+
 # name -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("agentrl.common.model:prepare_main", "turn the shipped SmolLM2 GGUF into an HF folder"),
@@ -23,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "actor": ("agentrl.engine.actor:main", "run the actor process (the orchestrator of a training run)"),
     "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
     "export": ("agentrl.export:main", "write a run's policy as a Hugging Face model folder"),
+    "gateway": ("agentrl.gateway.cli:main", "serve the OpenAI chat API in front of vLLM, recording sessions' exact tokens"),
     "demo": ("agentrl.demo:main", "serve the model, run token-in/token-out requests and one hot swap"),
 }
 
@@ -51,17 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     module_name, func_name = COMMANDS[name][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     return int(func(rest) or 0)
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM raise SystemExit(143) in the main thread, so the `finally` blocks that stop
-    child servers by PID run (the default action would end the process and orphan them)."""
-    import signal
-
-    def _raise(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _raise)
 
 
 if __name__ == "__main__":

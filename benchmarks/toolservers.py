@@ -314,7 +314,7 @@ def main(tools: tuple[str, ...] = ("calculator", "search", "python")) -> None:
 
 
 if __name__ == "__main__":
-    from agentrl.cli import exit_on_sigterm
+    from agentrl.common.procs import exit_on_sigterm
 
     exit_on_sigterm()
     ap = argparse.ArgumentParser()

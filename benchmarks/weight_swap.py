@@ -98,7 +98,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from agentrl.cli import exit_on_sigterm
+    from agentrl.common.procs import exit_on_sigterm
 
     exit_on_sigterm()
     main()

@@ -8,6 +8,13 @@ output: anything it cannot read becomes a `ParseError` the model is shown.
 Hermes / Qwen chat templates and of agentrl's SmolLM2 tool template), final answers as
 `<answer>...</answer>`. Several calls in one action are allowed (the env runs them concurrently).
 
+`Llama3JsonParser`: Llama 3.1 / 3.2 JSON calls, the whole action being
+`{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`, several separated by `;`).
+`MistralParser`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (and the later
+`[TOOL_CALLS]name[ARGS]{...}` form). All three read `<answer>...</answer>` the same way, so a
+`ToolEnv` can run any of them. `TOOL_CALL_PARSERS` names them; `detect_tool_call_format` picks one
+from a tokenizer's vocabulary (the control tokens each family's models are trained with).
+
 `cut_point(text)` says where the action ends, in characters: right after the first `</answer>`,
 else right after the last `</tool_call>` that precedes any imagined tool response, else the end.
 The tags are several tokens each for SmolLM2 (`</tool_call>` is 5 ids), so generation cannot stop
@@ -115,3 +122,190 @@ class HermesParser:
 
     def format_answer(self, answer: str) -> str:
         return f"{self.ANSWER_OPEN}{answer}{self.ANSWER_CLOSE}"
+
+
+def _read_answer(text: str, out: ParsedAction) -> bool:
+    """Fill `out.answer` / `out.answer_truncated` from `<answer>` tags; True when the action is an answer."""
+    close = text.find(HermesParser.ANSWER_CLOSE)
+    open_ = text.find(HermesParser.ANSWER_OPEN)
+    if open_ >= 0 and close > open_:
+        out.answer = text[open_ + len(HermesParser.ANSWER_OPEN):close].strip()
+        return True
+    out.answer_truncated = open_ >= 0
+    return False
+
+
+def _answer_end(text: str) -> int:
+    close = text.find(HermesParser.ANSWER_CLOSE)
+    return close + len(HermesParser.ANSWER_CLOSE) if close >= 0 else -1
+
+
+def _call_from_object(obj, raw: str, arguments_keys: tuple[str, ...], shape: str) -> ToolCall | ParseError:
+    """A decoded JSON value as a call: {"name": str, <one of arguments_keys>: object}."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ParseError("bad_call", f"a tool call must be {shape}", raw)
+    key = next((k for k in arguments_keys if k in obj), None)
+    arguments = obj.get(key, {}) if key else {}
+    if isinstance(arguments, str):  # some models double-encode the arguments object
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        return ParseError("bad_call", f'"{key}" must be a JSON object', raw)
+    return ToolCall(obj["name"], arguments, raw)
+
+
+def _json_error(err: json.JSONDecodeError, text: str, raw: str) -> ParseError:
+    # A decode error at the end of the text (or a string still open there) is a call the generation
+    # budget cut off.
+    if err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string"):
+        return ParseError("truncated", f"the tool call JSON ends before it is complete ({err.msg})", raw)
+    return ParseError("bad_json", f"the tool call is not valid JSON ({err.msg} at char {err.pos})", raw)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+_JSON = json.JSONDecoder()
+
+
+class Llama3JsonParser:
+    """Llama 3.1 / 3.2 JSON tool calls: an action that starts with `{` (after optional whitespace and
+    `<|python_tag|>`) is a list of `{"name": ..., "parameters": {...}}` objects separated by `;`
+    ("arguments" is read too); text after the last object is left alone (not a call). An action that
+    starts with anything else is plain text. Llama 3.1's built-in tools (`<|python_tag|>` followed by
+    Python code) are not JSON and come back as a `bad_json` error."""
+
+    PYTHON_TAG = "<|python_tag|>"
+    SHAPE = '{"name": "<tool>", "parameters": {...}}'
+
+    def _calls(self, text: str) -> tuple[list[ToolCall | ParseError], int]:
+        """Parsed calls and errors, and the end (chars) of the last one; ([], 0) for plain text."""
+        pos = _skip_space(text, 0)
+        if text.startswith(self.PYTHON_TAG, pos):
+            pos = _skip_space(text, pos + len(self.PYTHON_TAG))
+        if not text.startswith("{", pos):
+            return [], 0
+        found: list[ToolCall | ParseError] = []
+        raw_start = 0
+        while True:
+            try:
+                obj, end = _JSON.raw_decode(text, pos)
+            except json.JSONDecodeError as err:
+                found.append(_json_error(err, text, text[raw_start:]))
+                return found, len(text)
+            found.append(_call_from_object(obj, text[raw_start:end], ("parameters", "arguments"), self.SHAPE))
+            raw_start = end
+            pos = _skip_space(text, end)
+            if text.startswith(";", pos):
+                pos = _skip_space(text, pos + 1)
+            if not text.startswith("{", pos):
+                return found, end
+
+    def parse(self, text: str) -> ParsedAction:
+        out = ParsedAction()
+        if _read_answer(text, out):
+            return out
+        for item in self._calls(text)[0]:
+            (out.calls if isinstance(item, ToolCall) else out.errors).append(item)
+        return out
+
+    def cut_point(self, text: str) -> int:
+        answer_end = _answer_end(text)
+        if answer_end >= 0:
+            return answer_end
+        found, end = self._calls(text)
+        return end if found else len(text)
+
+    def format_call(self, name: str, arguments: dict) -> str:
+        return json.dumps({"name": name, "parameters": arguments})
+
+    def format_answer(self, answer: str) -> str:
+        return f"{HermesParser.ANSWER_OPEN}{answer}{HermesParser.ANSWER_CLOSE}"
+
+
+class MistralParser:
+    """Mistral tool calls after the `[TOOL_CALLS]` control token: a JSON array of
+    `{"name": ..., "arguments": {...}}` objects (tokenizer v3), or `name[ARGS]{...}` (v11), one block
+    per `[TOOL_CALLS]`. Text before the first `[TOOL_CALLS]` is content. Every call of one JSON
+    array shares that array's text as `raw`."""
+
+    TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    SHAPE = '[TOOL_CALLS][{"name": "<tool>", "arguments": {...}}]'
+    _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+    def _calls(self, text: str) -> tuple[list[ToolCall | ParseError], int]:
+        found: list[ToolCall | ParseError] = []
+        start = text.find(self.TOOL_CALLS)
+        end = 0
+        while start >= 0:
+            pos = _skip_space(text, start + len(self.TOOL_CALLS))
+            block, end = self._block(text, start, pos)
+            found += block
+            start = text.find(self.TOOL_CALLS, end)
+        return found, end
+
+    def _block(self, text: str, start: int, pos: int) -> tuple[list[ToolCall | ParseError], int]:
+        if text.startswith("[", pos):  # v3: a JSON array of calls
+            try:
+                items, end = _JSON.raw_decode(text, pos)
+            except json.JSONDecodeError as err:
+                return [_json_error(err, text, text[start:])], len(text)
+            raw = text[start:end]
+            if not isinstance(items, list):
+                return [ParseError("bad_call", f"tool calls must be {self.SHAPE}", raw)], end
+            return [_call_from_object(item, raw, ("arguments",), self.SHAPE) for item in items], end
+        args_at = text.find(self.ARGS, pos)
+        name = text[pos:args_at] if args_at >= 0 else ""
+        if not self._NAME.fullmatch(name):
+            next_block = text.find(self.TOOL_CALLS, pos)
+            end = len(text) if next_block < 0 else next_block
+            return [ParseError("bad_call", f"tool calls must be {self.SHAPE} or [TOOL_CALLS]name[ARGS]{{...}}", text[start:end])], end
+        args_pos = args_at + len(self.ARGS)
+        try:
+            arguments, end = _JSON.raw_decode(text, _skip_space(text, args_pos))
+        except json.JSONDecodeError as err:
+            return [_json_error(err, text, text[start:])], len(text)
+        return [_call_from_object({"name": name, "arguments": arguments}, text[start:end], ("arguments",), self.SHAPE)], end
+
+    def parse(self, text: str) -> ParsedAction:
+        out = ParsedAction()
+        if _read_answer(text, out):
+            return out
+        for item in self._calls(text)[0]:
+            (out.calls if isinstance(item, ToolCall) else out.errors).append(item)
+        return out
+
+    def cut_point(self, text: str) -> int:
+        answer_end = _answer_end(text)
+        if answer_end >= 0:
+            return answer_end
+        found, end = self._calls(text)
+        return end if found else len(text)
+
+    def format_call(self, name: str, arguments: dict) -> str:
+        return f"{self.TOOL_CALLS}[{json.dumps({'name': name, 'arguments': arguments})}]"
+
+    def format_answer(self, answer: str) -> str:
+        return f"{HermesParser.ANSWER_OPEN}{answer}{HermesParser.ANSWER_CLOSE}"
+
+
+TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+"""Tool-call formats by name (the `tool_parser` setting of the gateway and of configs)."""
+
+
+def detect_tool_call_format(tokenizer) -> str:
+    """The tool-call format a tokenizer's model family was trained with, from its vocabulary:
+    `[TOOL_CALLS]` -> "mistral", `<|python_tag|>` -> "llama3_json", else "hermes" (Hermes / Qwen
+    models have `<tool_call>`; ChatML models without a tool format, such as SmolLM2, use agentrl's
+    Hermes-style tool template)."""
+    vocab = tokenizer.get_vocab()
+    if MistralParser.TOOL_CALLS in vocab:
+        return "mistral"
+    if Llama3JsonParser.PYTHON_TAG in vocab:
+        return "llama3_json"
+    return "hermes"

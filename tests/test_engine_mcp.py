@@ -407,17 +407,18 @@ def test_cli_over_streamable_http(http_tiny):
 async def test_an_episode_through_toolenv_cannot_tell_an_mcp_tool_from_a_local_one(tiny):
     from transformers import AutoTokenizer
 
+    from agentrl.common.model import prepare_model
     from agentrl.engine import rewards as R
     from agentrl.engine.chat import ChatFormat
-    from agentrl.engine.env import EnvConfig, ToolEnv
+    from agentrl.engine.env import EnvConfig
     from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
-    from agentrl.engine.tasks import QATask
-    from agentrl.model import prepare_model
+    from agentrl.engine.qa import MultiHopQAEnv
+    from agentrl.engine.tasks import qa_task
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(prepare_model()))
     mcp_add = next(t for t in tiny.tools if t.name == "add")
     local_add = FunctionTool("add", mcp_add.description, mcp_add.parameters, lambda a, b: {"result": a + b})
-    task = QATask(task_id="t0", question="What is 2 + 40?", answers=("42",))
+    task = qa_task("t0", "What is 2 + 40?", ("42",))
     actions = [
         '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>',
         '<tool_call>{"name": "add", "arguments": {"a": "two", "b": 40}}</tool_call>',  # the env checks the MCP schema
@@ -425,7 +426,7 @@ async def test_an_episode_through_toolenv_cannot_tell_an_mcp_tool_from_a_local_o
     ]
 
     async def episode(tool):
-        env = ToolEnv(chat, EnvConfig(max_turns=4, worked_example=False, tool_timeout_s=10))
+        env = MultiHopQAEnv(chat, EnvConfig(max_turns=4, worked_example=False, tool_timeout_s=10))
         env.register_tool(tool)
         return await run_episode(env, task, ScriptedPolicy(env, list(actions)), SamplingConfig(), group_id="g")
 

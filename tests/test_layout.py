@@ -3,7 +3,7 @@
 
 - agentrl.common imports no other agentrl package; agentrl.kernels only common (its config system);
 - agentrl.toolservers imports only agentrl.common; agentrl.learner only common and kernels (never
-  the orchestrator's package); agentrl.engine only common and toolservers;
+  the orchestrator's package); agentrl.engine only common and toolservers; agentrl.gateway only common and engine;
 - no component imports the applications at the package root (agentrl.train, agentrl.cli, ...);
 - no cycle between modules.
 """
@@ -17,14 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"agentrl": ROOT / "agentrl", "agentrl.engine": ROOT / "engine", "agentrl.learner": ROOT / "learner",
-           "agentrl.kernels": ROOT / "kernels", "agentrl.toolservers": ROOT / "toolservers"}
-COMPONENTS = ("agentrl.common", "agentrl.engine", "agentrl.learner", "agentrl.kernels", "agentrl.toolservers")
+           "agentrl.kernels": ROOT / "kernels", "agentrl.toolservers": ROOT / "toolservers",
+           "agentrl.gateway": ROOT / "gateway"}
+COMPONENTS = ("agentrl.common", "agentrl.engine", "agentrl.learner", "agentrl.kernels", "agentrl.toolservers",
+              "agentrl.gateway")
 ALLOWED = {
     "agentrl.common": set(),
     "agentrl.kernels": {"agentrl.common"},
     "agentrl.toolservers": {"agentrl.common"},
     "agentrl.learner": {"agentrl.common", "agentrl.kernels"},
     "agentrl.engine": {"agentrl.common", "agentrl.toolservers"},
+    "agentrl.gateway": {"agentrl.common", "agentrl.engine"},
 }
 
 

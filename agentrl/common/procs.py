@@ -141,3 +141,12 @@ class ChildProcess:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         except FileNotFoundError:
             return "(no log)"
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit(143) in the main thread, so the `finally` blocks that stop
+    child servers by PID run (the default action would end the process and orphan them)."""
+    def _raise(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)

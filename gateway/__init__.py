@@ -1,0 +1,4 @@
+"""agentrl's OpenAI-compatible gateway: agents written against the OpenAI chat API run through
+agentrl's inference pool, and every session's exact token ids, log-probs and policy versions are
+recorded for training (`server` for the endpoints, `render` for prompts and splicing, `sessions`
+for the record and its segments, `cli` for `agentrl gateway`)."""

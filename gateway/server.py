@@ -1,0 +1,573 @@
+"""The gateway: the OpenAI chat API in front of agentrl's inference pool, with exact token records.
+
+    agent program (openai client) --HTTP--> Gateway --token-in/token-out--> ServerPool -> vLLM servers
+
+Endpoints (each also under a per-session base URL `/s/{session}/v1/...`):
+- `GET /v1/models`
+- `POST /v1/chat/completions`: messages rendered by the model's renderer (`render`), generated
+  through the pool (balancing, failover, weight versions), tool calls parsed by the model family's
+  parser and answered in OpenAI's `tool_calls` format; `usage`; `stream: true` answers SSE chunks.
+- `POST /v1/completions`: a text or token-id prompt, no chat template.
+- `GET /agentrl/sessions/{id}` (the record), `DELETE /agentrl/sessions/{id}` (close: the final
+  record), `GET /agentrl/sessions`, `GET /agentrl/stats`, `GET /health`.
+
+`tool_choice`, as far as a prompt-based model can honour it (no constrained decoding here):
+- "auto" (the default with tools): tools are listed in the prompt, calls are parsed from the text;
+- "none": tools are still listed (the prompt stays a prefix of the next turn's, so the episode stays
+  one segment) but nothing is parsed: the text is the content;
+- "required": the assistant turn is opened with the family's call opening (`<tool_call>` for
+  Hermes), so the model continues a call; the prefill is a prompt token, and part of the content;
+- a named function: the opening includes the name (`<tool_call>{"name": "f", "arguments": `).
+  If the model still writes no valid call, the answer has no `tool_calls` and finish_reason "stop".
+`parallel_tool_calls: false` answers the first call only (all sampled ids are still recorded).
+
+Streaming: the turn is generated whole (a failed server's turn is regenerated whole by the pool, so
+nothing is streamed that a failover would take back), then sent as SSE chunks: the role, the content
+in pieces, each tool call (id and name, then its arguments in pieces), the finish reason, the usage
+chunk when `stream_options.include_usage`, and `[DONE]`. Time to first chunk is the turn's latency.
+
+Cut and stop: generation stops on the renderer's end-of-turn ids. When calls are parsed, the
+action is cut where the family's parser says it ends (after the last call, before an imagined tool
+response), as the native env cuts: the kept ids are an exact prefix of what was sampled and are
+what `usage.completion_tokens` counts and the session records.
+
+Exactness checks: one recalled completion in `render_check_every` is rendered again from its text
+and compared with its sampled ids (`num_render_checks`, `num_render_drifts`, a warning naming the
+first differing prompt position); prompts use the recorded ids whatever the check finds.
+
+Errors: every refusal is OpenAI's error JSON with a 4xx status naming the field; the inference
+servers failing is 502/503; a bug in a handler is logged with its traceback, counted in
+`num_internal_errors` and answered 500, and the gateway keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from agentrl.common.inference import InferenceServerError, InferenceServerUnavailable, SamplingParams
+from agentrl.engine.parsers import TOOL_CALL_PARSERS, detect_tool_call_format
+from agentrl.gateway import protocol as P
+from agentrl.gateway.render import ChatMLRenderer, Rendered, TemplateRenderer, ToolList, forced_prefill
+from agentrl.gateway.sessions import Session, SessionStore
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Agentrl-Session"
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+_ENCODER = msgspec.json.Encoder()
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8100
+    """0 picks a free port (the bound URL is printed and returned by `start`)."""
+    served_model_name: str | None = None
+    """The `model` clients send; None: the model folder's name."""
+    max_model_len: int = 4096
+    """Prompt + completion limit of the inference servers, tokens."""
+    tool_parser: str = "auto"
+    """"hermes" | "llama3_json" | "mistral" | "auto" (from the tokenizer's vocabulary)."""
+    renderer: str = "auto"
+    """"chatml" (agentrl's ids-first ChatML/Hermes layout), "template" (the tokenizer's Jinja
+    template) or "auto": "template" when the template handles `tools`, else "chatml"."""
+    session_idle_s: float = 600.0
+    """A session idle this long (no request in flight) is expired, seconds."""
+    max_sessions: int = 16384
+    """Open sessions at most; one more is refused with 429."""
+    sweep_interval_s: float | None = None
+    """How often idle sessions are looked for, seconds; None: min(10, session_idle_s / 2)."""
+    max_body_bytes: int = 32 * 2**20
+    """Largest request body; beyond it the request is refused with 413."""
+    default_temperature: float = 1.0
+    """Temperature when a request sends none (OpenAI's default)."""
+    gc_threshold0: int | None = 100_000
+    """Young-generation threshold of the cyclic garbage collector while serving (CPython's default:
+    700); None leaves it alone. With 1,024 sessions open the default collector re-traverses their
+    records again and again: measured in benchmarks/gateway.py, 844 CPU us per turn at the default
+    against 607 at 100,000. Request handling frees its objects by reference counting."""
+    shutdown_grace_s: float = 5.0
+    """On stop, how long requests in flight may still run before they are cancelled, seconds."""
+    render_check_every: int = 8
+    """Re-render one recalled completion in this many from its text and compare with its sampled
+    ids (1: every one; 0: never); a difference counts in `num_render_drifts` and logs the first
+    differing prompt position. A check costs one tokenizer encode, ~40 to 55 us for a 30-token
+    call, a tenth of the gateway's whole CPU per turn; a rendering mismatch is systematic (a
+    format, not a sample), so one in 8 finds it within a few turns. Training never depends on it:
+    recalled completions enter prompts as their recorded ids either way."""
+
+    def __post_init__(self) -> None:
+        if self.tool_parser != "auto" and self.tool_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"GatewayConfig.tool_parser must be 'auto' or one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_parser!r}")
+        if self.renderer not in ("auto", "chatml", "template"):
+            raise ValueError(f"GatewayConfig.renderer must be 'auto', 'chatml' or 'template', got {self.renderer!r}")
+        if self.render_check_every < 0 or (self.gc_threshold0 is not None and self.gc_threshold0 < 1):
+            raise ValueError("GatewayConfig needs render_check_every >= 0 and gc_threshold0 >= 1 (or None)")
+        if self.max_model_len < 2 or self.max_sessions < 1 or self.session_idle_s <= 0 or (self.sweep_interval_s is not None and self.sweep_interval_s <= 0):
+            raise ValueError("GatewayConfig needs max_model_len >= 2, max_sessions >= 1, session_idle_s > 0 and sweep_interval_s > 0")
+
+
+def template_handles_tools(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and "tools" in template
+
+
+@dataclass
+class _Turn:
+    """One generated turn, after the stop / cut rules: what is answered and recorded."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    text: str
+    """The assistant message's whole text: forced-call prefill + decoded kept ids (stop id not shown)."""
+    content: str | None
+    tool_calls: list[dict]
+    finish_reason: str
+
+
+class Gateway:
+    """Owns the HTTP server, the session store and its sweeper; the pool is the caller's."""
+
+    def __init__(self, config: GatewayConfig, tokenizer, pool, *, model_dir: str | Path | None = None,
+                 on_session_end=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pool = pool
+        """Anything with `async generate(prompt_ids, SamplingParams) -> Generation` (an engine ServerPool)."""
+        self.model_name = config.served_model_name or (Path(model_dir).name if model_dir else "model")
+        self._model_names = {self.model_name, *([str(model_dir)] if model_dir else [])}
+        self.family = config.tool_parser if config.tool_parser != "auto" else detect_tool_call_format(tokenizer)
+        self.parser = TOOL_CALL_PARSERS[self.family]()
+        use_template = config.renderer == "template" or (config.renderer == "auto" and template_handles_tools(tokenizer))
+        self.renderer = TemplateRenderer(tokenizer, self.parser, model_dir) if use_template else ChatMLRenderer(tokenizer, self.parser)
+        self._stop_ids = frozenset(self.renderer.stop_token_ids)
+        self._eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self._backend = tokenizer.backend_tokenizer
+        self._vocab_size = len(tokenizer)
+        self.sessions = SessionStore(idle_s=config.session_idle_s, max_sessions=config.max_sessions, on_end=on_session_end)
+        self._tool_lists: dict[bytes, ToolList] = {}
+        self.stats = {"num_requests": 0, "num_turns": 0, "num_client_errors": 0, "num_upstream_errors": 0,
+                      "num_internal_errors": 0, "num_render_checks": 0, "num_render_drifts": 0, "num_prefix_breaks": 0}
+        self._routes_by_key = self._routes()
+        self._runner: web.ServerRunner | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._gc_thresholds: tuple[int, ...] | None = None
+        self._num_recalled_unchecked = 0
+        self._sweeper_error: str | None = None
+        self.base_url: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def _routes(self) -> dict[tuple[str, str], object]:
+        return {("GET", "/health"): self._health, ("GET", "/agentrl/stats"): self._stats,
+                ("GET", "/agentrl/sessions"): self._list_sessions,
+                ("GET", "/v1/models"): self._models, ("POST", "/v1/chat/completions"): self._chat,
+                ("POST", "/v1/completions"): self._completions}
+
+    async def start(self) -> str:
+        # aiohttp's low-level server with the routing below (a dict lookup) instead of an Application:
+        # the router and middleware chain cost ~20 us per request (benchmarks/gateway.py).
+        loop = asyncio.get_running_loop()
+        max_body = self.config.max_body_bytes
+
+        def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
+            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body)
+
+        self._runner = web.ServerRunner(web.Server(self._handle, request_factory=make_request, access_log=None),
+                                        shutdown_timeout=self.config.shutdown_grace_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.base_url = f"http://{self.config.host}:{port}"
+        self._sweeper = asyncio.create_task(self._sweep(), name="gateway-session-sweeper")
+        self._sweeper.add_done_callback(self._sweeper_ended)
+        if self.config.gc_threshold0 is not None:
+            self._gc_thresholds = gc.get_threshold()
+            gc.collect()
+            gc.freeze()  # what start-up built (tokenizer, modules) is never garbage; keep collections off it
+            gc.set_threshold(self.config.gc_threshold0, *self._gc_thresholds[1:])
+        log.info("gateway serving %s on %s (renderer %s, tool parser %s)", self.model_name, self.base_url, self.renderer.name, self.family)
+        return self.base_url
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Stop serving: requests in flight get `shutdown_grace_s` to finish, then are cancelled."""
+        timeout_s = timeout_s if timeout_s is not None else 2 * self.config.shutdown_grace_s + 5.0
+        if self._gc_thresholds is not None:
+            gc.set_threshold(*self._gc_thresholds)
+            gc.unfreeze()
+            self._gc_thresholds = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.wait([self._sweeper], timeout=timeout_s)
+            self._sweeper = None
+        if self._runner is not None:
+            await asyncio.wait_for(self._runner.cleanup(), timeout_s)
+            self._runner = None
+
+    def _sweeper_ended(self, task: asyncio.Task) -> None:
+        """A sweeper that died (an `on_session_end` hook raised) is logged and makes /health fail:
+        sessions would otherwise pile up unexpired without a sign."""
+        if not task.cancelled() and task.exception() is not None:
+            self._sweeper_error = f"{type(task.exception()).__name__}: {task.exception()}"
+            log.error("the session sweeper stopped: %s", self._sweeper_error, exc_info=task.exception())
+
+    async def _sweep(self) -> None:
+        interval_s = self.config.sweep_interval_s or min(10.0, self.config.session_idle_s / 2)
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sessions.expire()
+
+    # -- routing, errors and small endpoints --------------------------------------------------------
+
+    def _route(self, method: str, path: str):
+        """(handler, session id from the URL or None); GatewayError 404/405 for no route."""
+        session_id = None
+        if path.startswith("/s/"):
+            session_id, slash, rest = path[3:].partition("/")
+            if not slash or not session_id or not rest.startswith("v1/"):
+                raise P.GatewayError(404, f"no route {path!r}: a session base URL is /s/{{session}}/v1", code="not_found")
+            path = "/" + rest
+        handler = self._routes_by_key.get((method, path))
+        if handler is not None:
+            return handler, session_id
+        if session_id is None and path.startswith("/agentrl/sessions/"):
+            handler = {"GET": self._get_session, "DELETE": self._close_session}.get(method)
+            if handler is not None:
+                return handler, path.removeprefix("/agentrl/sessions/")
+        if any(p == path for _, p in self._routes_by_key) or path.startswith("/agentrl/sessions/"):
+            raise P.GatewayError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
+        raise P.GatewayError(404, f"no route {method} {path}", code="not_found")
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Every request: route, run, and answer any refusal as OpenAI's error JSON."""
+        self.stats["num_requests"] += 1
+        try:
+            handler, session_id = self._route(request.method, request.path)
+            return await handler(request, session_id)
+        except P.GatewayError as err:
+            self.stats["num_upstream_errors" if err.status in (502, 503) else
+                       "num_client_errors" if err.status < 500 else "num_internal_errors"] += 1
+            return _json(err.body(), err.status)
+        except web.HTTPRequestEntityTooLarge:
+            self.stats["num_client_errors"] += 1
+            message = f"the request body is larger than the gateway's limit of {self.config.max_body_bytes} bytes"
+            return _json(P.GatewayError(413, message, code="body_too_large").body(), 413)
+        except Exception as err:  # a bug: answered, counted and logged with its traceback; the gateway keeps serving
+            self.stats["num_internal_errors"] += 1
+            log.exception("internal error on %s %s", request.method, request.path)
+            return _json(P.GatewayError(500, f"internal gateway error: {type(err).__name__}: {err}", code="internal_error").body(), 500)
+
+    async def _health(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+        if self._sweeper_error is not None:
+            return _json({"status": f"the session sweeper stopped: {self._sweeper_error}"}, 503)
+        return _json({"status": "ok"})
+
+    async def _stats(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+        s = self.sessions
+        return _json({**self.stats, "num_sessions_open": len(s), "num_sessions_opened": s.num_opened,
+                      "num_sessions_closed": s.num_closed, "num_sessions_expired": s.num_expired,
+                      "renderer": self.renderer.name, "tool_parser": self.family, "model": self.model_name})
+
+    async def _models(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+        return _json({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                  "owned_by": "agentrl", "max_model_len": self.config.max_model_len}]})
+
+    async def _list_sessions(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+        return _json({"sessions": self.sessions.ids(), "num_open": len(self.sessions)})
+
+    async def _get_session(self, request: web.BaseRequest, session_id: str) -> web.Response:
+        return _json(self.sessions.get(session_id).to_record())
+
+    async def _close_session(self, request: web.BaseRequest, session_id: str) -> web.Response:
+        return _json(self.sessions.close(session_id))
+
+    # -- the two generation endpoints ---------------------------------------------------------------
+
+    def _session_id(self, request: web.BaseRequest, in_path: str | None) -> str | None:
+        in_header = request.headers.get(SESSION_HEADER)
+        if in_path is not None and in_header is not None and in_path != in_header:
+            raise P.invalid(f"the session in the URL ({in_path!r}) and in the {SESSION_HEADER} header ({in_header!r}) differ",
+                            SESSION_HEADER)
+        session_id = in_path if in_path is not None else in_header
+        if session_id is not None and not _SESSION_ID.fullmatch(session_id):
+            raise P.invalid(f"session id {session_id[:200]!r}: use 1 to 128 of the characters A-Z a-z 0-9 . _ : @ -", SESSION_HEADER)
+        return session_id
+
+    def _check_model(self, model: str) -> None:
+        if model not in self._model_names:
+            raise P.GatewayError(404, f"the model `{model}` does not exist; this gateway serves `{self.model_name}`",
+                                 param="model", code="model_not_found")
+
+    def _tools(self, raw: msgspec.Raw) -> ToolList | None:
+        key = bytes(raw)
+        if not key or key == b"null":
+            return None
+        tools = self._tool_lists.get(key)
+        if tools is None:
+            specs = P.decode_tools(raw)
+            if not specs:
+                return None
+            if len(self._tool_lists) >= 1024:
+                self._tool_lists.clear()
+            tools = self._tool_lists[key] = ToolList(key, tuple(specs))
+        return tools
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str, default: int | None) -> int:
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise P.invalid(f"this model's maximum context length is {limit} tokens; the prompt is {num_prompt_tokens} tokens "
+                            "(with the generation prompt), leaving none to generate", "messages", "context_length_exceeded")
+        room = limit - num_prompt_tokens
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested < 1:
+            raise P.invalid(f"`{param}` must be >= 1, got {requested}", param)
+        if requested > room:
+            raise P.invalid(f"this model's maximum context length is {limit} tokens; the prompt is {num_prompt_tokens} tokens and "
+                            f"`{param}` asks for {requested} more", param, "context_length_exceeded")
+        return requested
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams):
+        try:
+            return await self.pool.generate(prompt_ids, params)
+        except InferenceServerUnavailable as err:
+            raise P.GatewayError(503, f"no inference server answered: {err}", code="upstream_unavailable") from err
+        except InferenceServerError as err:
+            raise P.GatewayError(502, f"the inference server refused the request: {err}", code="upstream_error") from err
+
+    async def _chat(self, request: web.BaseRequest, session_in_path: str | None) -> web.StreamResponse:
+        session_id = self._session_id(request, session_in_path)
+        req = P.decode_chat(await request.read())
+        self._check_model(req.model)
+        tools = self._tools(req.tools)
+        choice = P.tool_choice(req, tools.names if tools else [])
+        if req.stream and req.logprobs:
+            raise P.invalid("`logprobs` are returned by non-streaming requests only", "logprobs")
+        session = self.sessions.open(session_id) if session_id is not None else None
+        if session is not None:
+            session.in_flight += 1
+        try:
+            if session is None:
+                rendered = self.renderer.render(req.messages, tools, forced_prefill(self.family, choice.forced), None)
+            else:
+                rendered = self.renderer.render(req.messages, tools, forced_prefill(self.family, choice.forced), session.recall,
+                                                session.last_rendered)
+                session.last_rendered = rendered
+            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            max_tokens = self._max_tokens(len(rendered.token_ids), req.max_completion_tokens or req.max_tokens, param, None)
+            params = SamplingParams(max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
+                                    temperature=self.config.default_temperature if req.temperature is None else req.temperature,
+                                    stop_token_ids=self.renderer.stop_token_ids, seed=req.seed)
+            generation = await self._generate(rendered.token_ids, params)
+            turn = self._chat_turn(generation, rendered, choice, req.parallel_tool_calls is not False)
+            if session is not None:
+                self._record_chat(session, req.messages, rendered, turn, tools, choice)
+        finally:
+            if session is not None:
+                session.in_flight -= 1
+                session.last_used_s = time.monotonic()
+        self.stats["num_turns"] += 1
+        usage = {"prompt_tokens": len(rendered.token_ids), "completion_tokens": len(turn.ids),
+                 "total_tokens": len(rendered.token_ids) + len(turn.ids)}
+        completion_id = "chatcmpl-" + os.urandom(12).hex()
+        if req.stream:
+            include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+            return await self._stream_chat(request, completion_id, turn, usage if include_usage else None)
+        message: dict = {"role": "assistant", "content": turn.content}
+        if turn.tool_calls:
+            message["tool_calls"] = turn.tool_calls
+        body = {"id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(turn) if req.logprobs else None,
+                             "finish_reason": turn.finish_reason}],
+                "usage": usage}
+        return _json(body)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=False)
+
+    def _chat_turn(self, generation, rendered: Rendered, choice: P.ToolChoice, parallel: bool) -> _Turn:
+        ids, logprobs, versions = generation.token_ids, generation.logprobs, generation.versions
+        stopped = bool(ids) and ids[-1] in self._stop_ids
+        prefill = self._decode(rendered.prefill_ids) if rendered.prefill_ids else ""
+        sampled_text = self._decode(ids[:-1] if stopped else ids)
+        text = prefill + sampled_text
+        finish = "length" if generation.finish_reason == "length" else "stop"
+        if not choice.parse_calls:
+            return _Turn(ids, logprobs, versions, text, text, [], finish)
+        cut = self.parser.cut_point(text) - len(prefill)
+        if cut < len(sampled_text):
+            keep = self._tokens_covering(ids, max(cut, 0))
+            ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
+            text = prefill + self._decode(ids)
+            finish = "stop"  # the action ended where the parser says; what followed it is dropped
+        parsed = self.parser.parse(text)
+        calls = parsed.calls if parallel else parsed.calls[:1]
+        if not calls:
+            return _Turn(ids, logprobs, versions, text, text, [], finish)
+        content = text
+        for call in parsed.calls:
+            content = content.replace(call.raw, "", 1)
+        tool_calls = [{"id": "call_" + os.urandom(12).hex(), "type": "function",
+                       "function": {"name": call.name, "arguments": _ENCODER.encode(call.arguments).decode()}} for call in calls]
+        return _Turn(ids, logprobs, versions, text, content.strip() or None, tool_calls, "tool_calls")
+
+    def _tokens_covering(self, ids: list[int], num_chars: int) -> int:
+        """Smallest k with len(decode(ids[:k])) >= num_chars (decoded length grows with k)."""
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(ids[:mid])) >= num_chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _record_chat(self, session: Session, messages, rendered: Rendered, turn: _Turn, tools, choice) -> None:
+        c = session.counters
+        c.num_spliced_messages += len(rendered.spliced)
+        c.num_unrecognised_assistant += rendered.num_unrecognised
+        every = self.config.render_check_every
+        if every and any(not rec.checked for _, _, rec in rendered.spliced):
+            self._num_recalled_unchecked += 1
+            if self._num_recalled_unchecked % every == 0:
+                self._check_rendering(session, messages, rendered, tools, choice)
+            else:
+                for _, _, rec in rendered.spliced:
+                    rec.checked = True
+        joined = session.record_turn(rendered.token_ids, turn.ids, turn.logprobs, turn.versions, len(turn.tool_calls), turn.finish_reason)
+        if not joined and c.num_segments > 1:
+            self.stats["num_prefix_breaks"] += 1
+            log.info("session %s: the prompt extends no open segment; segment %d opened", session.id, c.num_segments - 1)
+        calls = tuple((call["id"], call["function"]["name"], call["function"]["arguments"]) for call in turn.tool_calls)
+        session.remember(turn.content or "", calls, rendered.prefill_ids + turn.ids)
+
+    def _check_rendering(self, session: Session, messages, rendered: Rendered, tools, choice) -> None:
+        session.counters.num_render_checks += 1
+        self.stats["num_render_checks"] += 1
+        position = self.renderer.first_drift(messages, tools, forced_prefill(self.family, choice.forced), rendered)
+        if position is None:
+            return
+        session.counters.num_render_drifts += 1
+        self.stats["num_render_drifts"] += 1
+        index = next((i for i, start, _ in reversed(rendered.spliced) if start <= position), None)
+        ids = rendered.token_ids
+        sampled = ids[position] if position < len(ids) else None
+        log.warning("session %s: the history rendered from text differs from the recorded ids at prompt position %d "
+                    "(messages[%s]; recorded id %s %r); the recorded ids are kept", session.id, position, index, sampled,
+                    self._decode([sampled]) if sampled is not None else "")
+
+    def _chat_logprobs(self, turn: _Turn) -> dict:
+        content = []
+        for token_id, logprob in zip(turn.ids, turn.logprobs, strict=True):
+            token = self._decode([token_id])
+            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+        return {"content": content}
+
+    async def _stream_chat(self, request: web.BaseRequest, completion_id: str, turn: _Turn, usage: dict | None) -> web.StreamResponse:
+        base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
+
+        def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
+            body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            return b"data: " + _ENCODER.encode(body) + b"\n\n"
+
+        events = [chunk({"role": "assistant", "content": ""})]
+        events += [chunk({"content": piece}) for piece in _pieces(turn.content or "")]
+        for k, call in enumerate(turn.tool_calls):
+            events.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+            events += [chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
+                       for piece in _pieces(call["function"]["arguments"])]
+        events.append(chunk({}, turn.finish_reason))
+        if usage is not None:
+            events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b"".join(events))
+        await response.write_eof()
+        return response
+
+    async def _completions(self, request: web.BaseRequest, session_in_path: str | None) -> web.StreamResponse:
+        session_id = self._session_id(request, session_in_path)
+        req = P.decode_completion(await request.read())
+        self._check_model(req.model)
+        prompt = P.prompt_of(req)
+        if isinstance(prompt, str):
+            prompt_ids = self._backend.encode(prompt, add_special_tokens=False).ids
+        else:
+            bad = next((i for i, t in enumerate(prompt) if not 0 <= t < self._vocab_size), None)
+            if bad is not None:
+                raise P.invalid(f"prompt[{bad}] = {prompt[bad]} is not a token id of this model (0..{self._vocab_size - 1})", "prompt")
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise P.invalid("`prompt` is empty", "prompt")
+        max_tokens = self._max_tokens(len(prompt_ids), req.max_tokens, "max_tokens", 16)  # 16: OpenAI's default here
+        params = SamplingParams(max_tokens=max_tokens, top_p=1.0 if req.top_p is None else req.top_p,
+                                temperature=self.config.default_temperature if req.temperature is None else req.temperature,
+                                stop_token_ids=self._eos_ids or None, seed=req.seed)
+        session = self.sessions.open(session_id) if session_id is not None else None
+        if session is not None:
+            session.in_flight += 1
+        try:
+            generation = await self._generate(prompt_ids, params)
+            ids = generation.token_ids
+            if session is not None:
+                session.record_turn(prompt_ids, ids, generation.logprobs, generation.versions, 0, generation.finish_reason)
+        finally:
+            if session is not None:
+                session.in_flight -= 1
+                session.last_used_s = time.monotonic()
+        self.stats["num_turns"] += 1
+        stopped = bool(ids) and ids[-1] in self._eos_ids
+        text = self._decode(ids[:-1] if stopped else ids)
+        finish = "length" if generation.finish_reason == "length" else "stop"
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}
+        logprobs = None
+        if req.logprobs is not None:
+            tokens = [self._decode([t]) for t in ids]
+            offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+            logprobs = {"tokens": tokens, "token_logprobs": generation.logprobs, "top_logprobs": None, "text_offset": offsets}
+        completion_id = "cmpl-" + os.urandom(12).hex()
+        body = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage}
+        if not req.stream:
+            return _json(body)
+        base = {k: body[k] for k in ("id", "object", "created", "model")}
+        events = [b"data: " + _ENCODER.encode({**base, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]})
+                  + b"\n\n" for piece in _pieces(text)]
+        events.append(b"data: " + _ENCODER.encode({**base, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish}]})
+                      + b"\n\n")
+        if req.stream_options is not None and req.stream_options.include_usage:
+            events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b"".join(events))
+        await response.write_eof()
+        return response
+
+
+_PIECE = re.compile(r"\s*\S+\s*|\s+")
+
+
+def _pieces(text: str, words_per_piece: int = 4) -> list[str]:
+    """`text` in pieces of a few words, which concatenate back to `text` exactly."""
+    words = _PIECE.findall(text)
+    return ["".join(words[k:k + words_per_piece]) for k in range(0, len(words), words_per_piece)]
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=_ENCODER.encode(body), status=status, content_type="application/json")
+
