@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-model": ("agentrl.engine.serve:main", "start a vLLM server with hot-swappable weights"),
     "push-weights": ("agentrl.common.weights:push_main", "hot-swap weights into a running server"),
     "toolserver": ("agentrl.toolservers.cli:serve_main", "run one tool service on a ZeroMQ endpoint"),
-    "tool": ("agentrl.toolservers.cli:tool_main", "call or describe a running tool service"),
+    "tool": ("agentrl.engine.tool_cli:main", "call or describe a running tool service"),
     "eval": ("agentrl.evaluate:eval_main", "evaluate a policy on a run's held-out tasks (EM/F1, baselines)"),
     "rollout": ("agentrl.evaluate:rollout_main", "run episodes and write their trajectories"),
     "learner": ("agentrl.learner.cli:main", "run the learner process"),

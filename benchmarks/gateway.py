@@ -90,7 +90,7 @@ class _Answer(msgspec.Struct):
 
 
 def agent_messages(question: str) -> list[dict]:
-    from agentrl.engine.chat import EXAMPLE_MESSAGES
+    from agentrl.engine.qa import EXAMPLE_MESSAGES
 
     system = ("You answer questions by searching a knowledge base. Look up one fact per search. "
               "When you know the answer, reply <answer>short answer</answer>.")
