@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import sys
@@ -43,6 +44,7 @@ from pathlib import Path
 from agentrl.common.config import ConfigError, dump_toml, layer, to_dict
 from agentrl.common.files import read_jsonl, write_atomic
 from agentrl.common.procs import ChildProcess
+from agentrl.common.watchdog import RunLock, RunLockedError
 from agentrl.engine.environments import env_class
 from agentrl.engine.evaluation import evaluate, evaluate_baselines
 from agentrl.engine.services import Connections, Services, start_services
@@ -431,6 +433,25 @@ def main(argv: list[str]) -> int:
             return 2
         out.mkdir(parents=True, exist_ok=True)
     try:
+        lock = RunLock(out).acquire()
+    except RunLockedError as err:
+        print(f"agentrl train: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, config, out, fresh, lock)
+    finally:
+        lock.release()
+
+
+def _start_watchdog(out: Path, lock: RunLock) -> ChildProcess:
+    """The run's watchdog (agentrl/common/watchdog.py): it stops every process of the run if this
+    one dies without doing so (SIGKILL), and holds the run lock until they are all gone."""
+    argv = [sys.executable, "-P", "-m", "agentrl.common.watchdog", str(os.getpid())]
+    return ChildProcess("watchdog", argv, log_path=out / "logs" / "watchdog.log", pass_fds=(lock.fd,)).start()
+
+
+def _run(args: argparse.Namespace, config: TrainConfig, out: Path, fresh: bool, lock: RunLock) -> int:
+    try:
         supervisor = Supervisor(config, out, resume=bool(args.resume))
     except ValueError as err:
         print(f"agentrl train: cannot resume: {err}", file=sys.stderr)
@@ -449,6 +470,8 @@ def main(argv: list[str]) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # a closed terminal: stop every process, as on SIGTERM
+    watchdog = _start_watchdog(out, lock)
 
     async def run() -> dict:
         supervisor.progress = Progress(out, config.logging, to_dict(config))
@@ -469,6 +492,7 @@ def main(argv: list[str]) -> int:
         return 130
     finally:
         supervisor.stop_all()
+        watchdog.stop(timeout_s=10)
     summary = finish_run(out, phases, supervisor, started=t0)
     print(json.dumps(summary))
     return 0

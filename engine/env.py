@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,7 +63,9 @@ from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, IM_END, ChatFormat, list_tools
 from agentrl.engine.parsers import HermesParser, ParsedAction, ToolCall, ToolCallParser
 from agentrl.engine.task import Task
-from agentrl.engine.tools import Tool, ToolResult
+from agentrl.engine.tools import Tool, ToolResult, ToolUnavailable
+
+logger = logging.getLogger(__name__)
 
 
 @config_dataclass
@@ -438,6 +441,11 @@ class ToolEnv:
                 return await tool.execute(arguments, timeout_s=timeout_s)
         except TimeoutError:
             return ToolResult(None, False, time.perf_counter() - start, f"timed out after {timeout_s} s")
+        except ToolUnavailable:
+            raise  # no replica answered: the episode fails (the call was never answered, not wrong)
+        except Exception as err:  # noqa: BLE001 - a tool that raises (or arguments its client cannot send) is a failed call the model sees
+            logger.warning("tool %r raised on a call; answered as a tool error", tool.name, exc_info=True)
+            return ToolResult(None, False, time.perf_counter() - start, f"the tool raised {type(err).__name__}: {err}")
 
     @staticmethod
     def _error_response(name: str | None, message: str) -> str:

@@ -25,6 +25,7 @@ exact ids the server returned (see `episode`).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,7 +41,8 @@ class ToolCall:
 @dataclass
 class ParseError:
     kind: str
-    """"bad_json" | "truncated" | "bad_call" (JSON that is not {"name": str, "arguments": object})."""
+    """"bad_json" | "truncated" | "bad_call" (JSON that is not {"name": str, "arguments": object}) |
+    "bad_arguments" (JSON no tool could be sent: see `wire_problem`)."""
     message: str
     raw: str
 
@@ -53,6 +55,74 @@ class ParsedAction:
     """Text inside <answer>...</answer>, stripped; None when there is no closed answer tag."""
     answer_truncated: bool = False
     """An <answer> tag was opened and never closed."""
+
+
+MAX_ARGUMENT_DEPTH = 32
+"""Deepest nesting of a call's arguments (objects and arrays); no tool schema needs more."""
+
+
+class _NotJSON(ValueError):
+    pass
+
+
+class CallDecoder(json.JSONDecoder):
+    """The JSON decoder for model-written calls. Two differences from `json`'s: NaN and Infinity are
+    refused (they are not JSON, RFC 8259, and no tool service could be sent them), and nesting deeper
+    than Python's recursion limit (a 1,000-deep array) is a decode error rather than a RecursionError."""
+
+    def __init__(self):
+        super().__init__(parse_constant=self._refuse_constant)
+
+    @staticmethod
+    def _refuse_constant(name: str):
+        raise _NotJSON(name)
+
+    def raw_decode(self, s: str, idx: int = 0):
+        try:
+            return super().raw_decode(s, idx)
+        except RecursionError:
+            raise json.JSONDecodeError("nested too deeply", s, idx) from None
+        except _NotJSON as constant:
+            raise json.JSONDecodeError(f"{constant} is not JSON", s, idx) from None
+
+
+_JSON = CallDecoder()
+
+
+def wire_problem(value, depth: int = 0) -> str | None:
+    """Why `value` (decoded arguments) cannot be sent to a tool, or None. Decoded JSON can still hold
+    what the wire format (msgpack) or a tool cannot take: a lone surrogate from a `\\ud800` escape,
+    an integer past 64 bits, a float that overflowed to infinity (`1e999`), or nesting past
+    MAX_ARGUMENT_DEPTH."""
+    if depth > MAX_ARGUMENT_DEPTH:
+        return f"the arguments are nested deeper than {MAX_ARGUMENT_DEPTH} levels"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"a string holds a lone surrogate ({err.object[err.start]!r} at {err.start})"
+        return None
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        return None if -(2**63) <= value < 2**64 else "an integer is out of the 64-bit range"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "a number is out of the float range"
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        problem = wire_problem(key, depth + 1) if isinstance(key, str) else None
+        if problem is None:
+            problem = wire_problem(item, depth + 1)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _checked_call(name: str, arguments: dict, raw: str) -> ToolCall | ParseError:
+    problem = wire_problem(name) or wire_problem(arguments)
+    if problem is not None:
+        return ParseError("bad_arguments", problem, raw)
+    return ToolCall(name, arguments, raw)
 
 
 class ToolCallParser(Protocol):
@@ -87,7 +157,7 @@ class HermesParser:
                 out.errors.append(ParseError("truncated", "the <tool_call> tag was not closed with </tool_call>", raw))
                 continue
             try:
-                obj = json.loads(body)
+                obj = _JSON.decode(body)
             except json.JSONDecodeError as err:
                 out.errors.append(ParseError("bad_json", f"the tool call is not valid JSON ({err.msg} at char {err.pos})", raw))
                 continue
@@ -97,13 +167,14 @@ class HermesParser:
             arguments = obj.get("arguments", {})
             if isinstance(arguments, str):  # some models double-encode the arguments object
                 try:
-                    arguments = json.loads(arguments)
+                    arguments = _JSON.decode(arguments)
                 except json.JSONDecodeError:
                     arguments = None
             if not isinstance(arguments, dict):
                 out.errors.append(ParseError("bad_call", '"arguments" must be a JSON object', raw))
                 continue
-            out.calls.append(ToolCall(obj["name"], arguments, raw))
+            call = _checked_call(obj["name"], arguments, raw)
+            (out.calls if isinstance(call, ToolCall) else out.errors).append(call)
         return out
 
     def cut_point(self, text: str) -> int:
@@ -148,12 +219,12 @@ def _call_from_object(obj, raw: str, arguments_keys: tuple[str, ...], shape: str
     arguments = obj.get(key, {}) if key else {}
     if isinstance(arguments, str):  # some models double-encode the arguments object
         try:
-            arguments = json.loads(arguments)
+            arguments = _JSON.decode(arguments)
         except json.JSONDecodeError:
             arguments = None
     if not isinstance(arguments, dict):
         return ParseError("bad_call", f'"{key}" must be a JSON object', raw)
-    return ToolCall(obj["name"], arguments, raw)
+    return _checked_call(obj["name"], arguments, raw)
 
 
 def _json_error(err: json.JSONDecodeError, text: str, raw: str) -> ParseError:
@@ -170,7 +241,6 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-_JSON = json.JSONDecoder()
 
 
 class Llama3JsonParser:

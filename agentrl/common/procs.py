@@ -36,7 +36,7 @@ class ChildStartError(RuntimeError):
 
 class ChildProcess:
     def __init__(self, name: str, argv: Sequence[str], *, log_path: str | Path, env: dict[str, str] | None = None,
-                 pipe_stdout: bool = False, term_group: bool = False):
+                 pipe_stdout: bool = False, term_group: bool = False, pass_fds: Sequence[int] = ()):
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
@@ -46,6 +46,8 @@ class ChildProcess:
         """Pipe stdout to this process (for `wait_for_line`) instead of the log; stderr still logs."""
         self.term_group = term_group
         """SIGTERM the whole process group on `stop`, not only the leader."""
+        self.pass_fds = tuple(pass_fds)
+        """Descriptors the child inherits (the run lock, which the watchdog keeps held)."""
         self.popen: subprocess.Popen | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -57,7 +59,7 @@ class ChildProcess:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if self.pipe_stdout else log,
-                stderr=log, env=env, start_new_session=True)
+                stderr=log, env=env, start_new_session=True, pass_fds=self.pass_fds)
         return self
 
     @property
@@ -144,9 +146,11 @@ class ChildProcess:
 
 
 def exit_on_sigterm() -> None:
-    """Make SIGTERM raise SystemExit(143) in the main thread, so the `finally` blocks that stop
-    child servers by PID run (the default action would end the process and orphan them)."""
+    """Make SIGTERM and SIGHUP raise SystemExit(128 + signum) in the main thread, so the `finally`
+    blocks that stop child servers by PID run (the default action would end the process and orphan
+    them; SIGHUP is what a closed terminal or ssh session sends)."""
     def _raise(signum, _frame):
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _raise)
+    signal.signal(signal.SIGHUP, _raise)
