@@ -219,7 +219,7 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
     if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError("\n".join(dict.fromkeys(problems)))  # once each: two checks may trip on one cause
 
 
 def config_data(config: TrainConfig) -> dict[str, Any]:

@@ -104,6 +104,16 @@ def test_print_config_round_trips(capsys, tmp_path):
     assert load_run_config(written, base=None).config == config
 
 
+PLUGIN = '''
+class NotAnEnv:
+    pass
+
+
+def untyped(x):
+    """Has no type hint, so no schema."""
+    return x
+'''
+
 BAD = [
     # (file text or None, extra argv, the message must match)
     ('minutes = "ten"\n', [], r"bad.toml: minutes: Input should be a valid number \(got \"ten\"\)"),
@@ -124,6 +134,16 @@ BAD = [
     ('[tasks.options]\nheldout_numm = 3\n', [], r"tasks.options.heldout_numm: unknown key; accepted keys here: seed"),
     ('[tasks.options]\nheldout_hops = [7]\n', [], r"hop counts must be 1-4"),
     ("minutes = [\n", [], r"bad.toml: not valid TOML"),
+    # Plug-ins (docs/ENVIRONMENTS.md): each named error, before anything starts.
+    ('[env]\nclass = "no_such_module:Env"\n', [], r"bad.toml: env.class: cannot import 'no_such_module'"),
+    ('[env]\nclass = "PLUGIN:NotAnEnv"\n', [], r"env.class: '.*plugin.py:NotAnEnv' is not a ToolEnv subclass"),
+    ('[env]\nclass = "PLUGIN:Missing"\n', [], r"env.class: '.*plugin.py' has no 'Missing'"),
+    ('[env.options]\nnope = 1\n', [], r"env.options.nope: unknown key; accepted keys here: task_metric"),
+    ('[[tools]]\nbuiltin = "websearch"\n', [], r"tools\[0\].builtin: Input should be 'search', 'python' or 'calculator'"),
+    ('[[tools]]\nfunction = "PLUGIN:untyped"\n', [], r"tools\[0\].function: no usable schema: untyped: parameter 'x' has no type hint"),
+    ('[[tools]]\nfunction = "PLUGIN:missing_function"\n', [], r"tools\[0\].function: .*has no 'missing_function'"),
+    ('[tasks]\nloader = "jsonl"\n[tasks.options]\ntrain = "TASKS"\nheldout = "TASKS"\n', [],
+     r"tasks.jsonl:2 \(task 'a'\): field 'prompt' must be a string, got int"),
     (None, ["--set", "env.max_turns=three"], r"--set env.max_turns=three: env.max_turns: Input should be a valid integer"),
     (None, ["--set", "minutes=0"], r"--set minutes=0: minutes: 0.0 must be > 0"),
     (None, ["--set", "learner.trainer.optimizer.lr=-1"], r"optimizer.lr=-1.0 must be > 0"),
@@ -142,6 +162,9 @@ def test_bad_values_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys,
 
     monkeypatch.setattr(subprocess, "Popen", no_child)
     if text is not None:
+        (tmp_path / "plugin.py").write_text(PLUGIN)
+        (tmp_path / "tasks.jsonl").write_text('{"id": "a", "prompt": "q"}\n{"id": "a", "prompt": 5}\n')
+        text = text.replace("PLUGIN", str(tmp_path / "plugin.py")).replace("TASKS", str(tmp_path / "tasks.jsonl"))
         bad = tmp_path / "bad.toml"
         bad.write_text(text)
         argv = ["--config", str(bad), *argv]
@@ -150,6 +173,7 @@ def test_bad_values_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys,
     assert time.perf_counter() - t0 < 10
     err = capsys.readouterr().err
     assert re.search(message, err), err
+    assert len(re.findall(message, err)) == 1, f"reported more than once:\n{err}"
     assert not (tmp_path / "run").exists(), "nothing is written for a config that does not check"
 
 
@@ -161,6 +185,24 @@ def test_bad_config_exits_2_from_the_command_line_in_seconds(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "minutes: Input should be a valid number" in proc.stderr, proc.stderr
     assert time.perf_counter() - t0 < 60  # imports only: no server, no model
+
+
+def test_a_tool_command_that_exits_at_start_stops_the_run_with_exit_2(tmp_path):
+    from agentrl.common.watchdog import RunLock, read_proc
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[tools]]\ncommand = ["{sys.executable}", "-c", "import sys; print(\'no\', file=sys.stderr); sys.exit(3)"]\n')
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "tools[0].command" in proc.stderr and "did not start" in proc.stderr and "exited with 3" in proc.stderr, proc.stderr
+    log = out / "logs" / "tool-command0-0.log"
+    assert log.is_file() and "no" in log.read_text()  # the command's own stderr is kept for reading
+    # Nothing of the run is left: the watchdog exited and released the run directory.
+    holder = int((out / ".lock").read_text())
+    assert read_proc(holder) is None
+    RunLock(out).acquire().release()
 
 
 def test_version_and_help(capsys):
