@@ -159,7 +159,8 @@ def run_learner(tmp_path, device: str, estimator: str, precision: str = "fp32") 
     assert all(t.device.type == "cpu" for t in _tensors(state)), "a checkpoint holds CPU tensors only"
     assert ("cuda" in state["rng"]) == (expected.type == "cuda")
     snapshot = learner.ranks.snapshot()
-    assert all(t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in snapshot.values())
+    compute_dtype = learner.ranks.trainer.policy.compute_dtype  # what the server is sent: the learner's compute dtype
+    assert all(t.device.type == "cpu" and t.dtype == compute_dtype for t in snapshot.values())
     losses += _steps(learner, _groups(), 1)
 
     resumed = _start(_config(out, model_dir, device, estimator, precision))

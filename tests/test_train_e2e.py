@@ -31,6 +31,7 @@ minutes = 7.0  # after set-up: baseline evaluation, SFT, RL and the final evalua
 heldout_num = 6
 heldout_hops = [1]
 num_train = 64
+demonstration_hops = [1]
 [[tasks.options.curriculum]]
 hops = [1]
 [services]
@@ -48,7 +49,6 @@ max_staleness = 2
 [sft]
 enabled = true
 num_examples = 16
-hops = [1]
 steps = 2
 [sft.learner]
 tokens_per_step = 2048

@@ -52,7 +52,7 @@ def _env(tokenizer, search, **prompt) -> ToolEnv:
 def _prefix(env: ToolEnv) -> list[dict]:
     return [{"role": "system", "content": env.system_prompt}] + [
         {"role": r, "content": c.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>") if r == "tool" else c}
-        for r, c in env.example_messages]
+        for r, c in (env.example_messages() if env.config.worked_example else ())]
 
 
 @pytest.mark.parametrize("prompt", [{}, {"tool_list": "signature", "worked_example": False}])
