@@ -243,7 +243,33 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 
-class Llama3JsonParser:
+class _CallListParser:
+    """What the JSON-call parsers share: `_calls(text)` returns (calls and errors, end of the last
+    one in chars); answers are read as `<answer>...</answer>`, as HermesParser does."""
+
+    def _calls(self, text: str) -> tuple[list[ToolCall | ParseError], int]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> ParsedAction:
+        out = ParsedAction()
+        if _read_answer(text, out):
+            return out
+        for item in self._calls(text)[0]:
+            (out.calls if isinstance(item, ToolCall) else out.errors).append(item)
+        return out
+
+    def cut_point(self, text: str) -> int:
+        answer_end = _answer_end(text)
+        if answer_end >= 0:
+            return answer_end
+        found, end = self._calls(text)
+        return end if found else len(text)
+
+    def format_answer(self, answer: str) -> str:
+        return f"{HermesParser.ANSWER_OPEN}{answer}{HermesParser.ANSWER_CLOSE}"
+
+
+class Llama3JsonParser(_CallListParser):
     """Llama 3.1 / 3.2 JSON tool calls: an action that starts with `{` (after optional whitespace and
     `<|python_tag|>`) is a list of `{"name": ..., "parameters": {...}}` objects separated by `;`
     ("arguments" is read too); text after the last object is left alone (not a call). An action that
@@ -276,29 +302,13 @@ class Llama3JsonParser:
             if not text.startswith("{", pos):
                 return found, end
 
-    def parse(self, text: str) -> ParsedAction:
-        out = ParsedAction()
-        if _read_answer(text, out):
-            return out
-        for item in self._calls(text)[0]:
-            (out.calls if isinstance(item, ToolCall) else out.errors).append(item)
-        return out
-
-    def cut_point(self, text: str) -> int:
-        answer_end = _answer_end(text)
-        if answer_end >= 0:
-            return answer_end
-        found, end = self._calls(text)
-        return end if found else len(text)
 
     def format_call(self, name: str, arguments: dict) -> str:
         return json.dumps({"name": name, "parameters": arguments})
 
-    def format_answer(self, answer: str) -> str:
-        return f"{HermesParser.ANSWER_OPEN}{answer}{HermesParser.ANSWER_CLOSE}"
 
 
-class MistralParser:
+class MistralParser(_CallListParser):
     """Mistral tool calls after the `[TOOL_CALLS]` control token: a JSON array of
     `{"name": ..., "arguments": {...}}` objects (tokenizer v3), or `name[ARGS]{...}` (v11), one block
     per `[TOOL_CALLS]`. Text before the first `[TOOL_CALLS]` is content. Every call of one JSON
@@ -342,26 +352,10 @@ class MistralParser:
             return [_json_error(err, text, text[start:])], len(text)
         return [_call_from_object({"name": name, "arguments": arguments}, text[start:end], ("arguments",), self.SHAPE)], end
 
-    def parse(self, text: str) -> ParsedAction:
-        out = ParsedAction()
-        if _read_answer(text, out):
-            return out
-        for item in self._calls(text)[0]:
-            (out.calls if isinstance(item, ToolCall) else out.errors).append(item)
-        return out
-
-    def cut_point(self, text: str) -> int:
-        answer_end = _answer_end(text)
-        if answer_end >= 0:
-            return answer_end
-        found, end = self._calls(text)
-        return end if found else len(text)
 
     def format_call(self, name: str, arguments: dict) -> str:
         return f"{self.TOOL_CALLS}[{json.dumps({'name': name, 'arguments': arguments})}]"
 
-    def format_answer(self, answer: str) -> str:
-        return f"{HermesParser.ANSWER_OPEN}{answer}{HermesParser.ANSWER_CLOSE}"
 
 
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}

@@ -492,12 +492,7 @@ class Gateway:
         events.append(chunk({}, turn.finish_reason))
         if usage is not None:
             events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(b"".join(events))
-        await response.write_eof()
-        return response
+        return await _event_stream(request, events)
 
     async def _completions(self, request: web.BaseRequest, session_in_path: str | None) -> web.StreamResponse:
         session_id = self._session_id(request, session_in_path)
@@ -551,12 +546,17 @@ class Gateway:
                       + b"\n\n")
         if req.stream_options is not None and req.stream_options.include_usage:
             events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(b"".join(events))
-        await response.write_eof()
-        return response
+        return await _event_stream(request, events)
+
+
+async def _event_stream(request: web.BaseRequest, events: list[bytes]) -> web.StreamResponse:
+    """The server-sent events of one answer, then `[DONE]`, written in one go (the completion is
+    already whole: streaming keeps OpenAI clients' streaming code paths working, not latency)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    await response.write(b"".join([*events, b"data: [DONE]\n\n"]))
+    await response.write_eof()
+    return response
 
 
 _PIECE = re.compile(r"\s*\S+\s*|\s+")
