@@ -30,10 +30,13 @@ from dataclasses import field
 from pathlib import Path
 
 from agentrl.common.config import config_dataclass
+from agentrl.common.control_auth import CONTROL_TOKEN_ENV, is_loopback
 from agentrl.common.model import resolve_model
 from agentrl.common.procs import ChildProcess
 
 WORKER_EXTENSION = "agentrl.common.vllm_ext.WeightSwapExtension"
+CONTROL_MIDDLEWARE = "agentrl.common.control_auth.control_auth"
+"""Guards the weight-control endpoints the hot swap needs (common/control_auth.py)."""
 
 
 def vllm_is_cpu_build() -> bool:
@@ -94,6 +97,10 @@ class VLLMServerConfig:
 class VLLMServer:
     def __init__(self, config: VLLMServerConfig | None = None, *, log_path: str | Path | None = None):
         self.config = config or VLLMServerConfig()
+        if not is_loopback(self.config.host) and not os.environ.get(CONTROL_TOKEN_ENV):
+            raise ValueError(f"host {self.config.host!r} is not loopback: it would expose the weight-control endpoints "
+                             f"(/pause, /collective_rpc, ...); set {CONTROL_TOKEN_ENV} in this environment and in the "
+                             "learner's (its pushes send it)")
         self.model_dir = str(resolve_model(self.config.model_dir))
         self.port = self.config.port or free_port(self.config.host)
         self.base_url = f"http://{self.config.host}:{self.port}"
@@ -119,6 +126,7 @@ class VLLMServer:
             "--max-model-len", str(cfg.max_model_len),
             "--seed", str(cfg.seed),
             "--worker-extension-cls", WORKER_EXTENSION,
+            "--middleware", CONTROL_MIDDLEWARE,
             "--enable-scale-out",
             "--disable-uvicorn-access-log",
         ]
@@ -197,12 +205,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 2.5 on CPU)")
     parser.add_argument("--log", default=None, help="server log file (default: a temp file, printed)")
     args, extra = parser.parse_known_args(argv)
-    server = VLLMServer(
-        VLLMServerConfig(model_dir=args.model, host=args.host, port=args.port, dtype=args.dtype,
-                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
-                         max_model_len=args.max_model_len, extra_args=extra),
-        log_path=args.log,
-    )
+    try:
+        server = VLLMServer(
+            VLLMServerConfig(model_dir=args.model, host=args.host, port=args.port, dtype=args.dtype,
+                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
+                             max_model_len=args.max_model_len, extra_args=extra),
+            log_path=args.log,
+        )
+    except ValueError as err:
+        print(f"agentrl serve-model: {err}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -265,15 +266,53 @@ def _group_members(pgid: int) -> list[int]:
 
 
 @pytest.mark.slow
+def _post_status(url: str, headers: dict | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=b"", method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_serve_model_refuses_a_public_host_without_a_control_token():
+    env = {k: v for k, v in os.environ.items() if k != "AGENTRL_CONTROL_TOKEN"}
+    proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "serve-model", "--host", "0.0.0.0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "not loopback" in proc.stderr and "AGENTRL_CONTROL_TOKEN" in proc.stderr, proc.stderr
+
+
+def test_control_endpoint_rule():
+    from agentrl.common.control_auth import allowed
+
+    assert allowed("/inference/v1/generate", "10.1.2.3", None, None)[0]  # generation is open
+    assert allowed("/pause", "127.0.0.1", None, None)[0]  # no token: loopback peers only
+    assert not allowed("/collective_rpc", "10.1.2.3", None, None)[0]
+    assert not allowed("/pause", "127.0.0.1", None, "s3cret")[0]  # a token binds loopback peers too
+    assert not allowed("/pause", "10.1.2.3", "wrong", "s3cret")[0]
+    assert allowed("/pause", "10.1.2.3", "s3cret", "s3cret")[0]
+
+
 def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        env=dict(os.environ, AGENTRL_CONTROL_TOKEN="s3cret"),
     )
     try:
         url = proc.stdout.readline().strip()
         assert url == f"http://127.0.0.1:{port}"
+        # The weight-control endpoints want the token (even from loopback); generation does not.
+        status, body = _post_status(url + "/pause")
+        assert status == 403 and "X-Agentrl-Control-Token" in body, (status, body)
+        assert _post_status(url + "/pause", {"X-Agentrl-Control-Token": "s3cret"})[0] == 200
+        assert _post_status(url + "/resume", {"X-Agentrl-Control-Token": "s3cret"})[0] == 200
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
+            assert resp.status == 200
         # The vLLM server runs in its own process group, a child of the CLI.
         vllm_pgids = _child_pgids(proc.pid) - {proc.pid}
         assert vllm_pgids and sum(len(_group_members(g)) for g in vllm_pgids) >= 2  # api server + engine core

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import aiohttp
 
+from agentrl.common.control_auth import control_headers
+
 SHM_DIR = "/dev/shm"
 
 
@@ -73,7 +75,8 @@ def write_weights(state_dict: Mapping, directory: str | None = None) -> Path:
 
 
 async def _post(session: aiohttp.ClientSession, url: str, *, json_body=None, params=None) -> dict:
-    async with session.post(url, json=json_body, params=params) as resp:
+    # The control endpoints need the server's token when it has one (common/control_auth.py).
+    async with session.post(url, json=json_body, params=params, headers=control_headers()) as resp:
         text = await resp.text()
         if resp.status >= 400:
             raise WeightPushError(f"POST {url} -> HTTP {resp.status}: {text[:500]}")

@@ -1,0 +1,70 @@
+"""Who may use a vLLM server's weight-control endpoints: an ASGI middleware the server loads with
+`--middleware agentrl.common.control_auth.control_auth` (engine/serve.py always passes it).
+
+The server runs with `VLLM_SERVER_DEV_MODE=1`, which the hot swap needs (`/collective_rpc`,
+`/pause`, `/resume`, `/update_weight_version`, `/reset_prefix_cache`), and which also exposes
+`/sleep`, `/server_info` and more. vLLM's own `--api-key` guards only `/v1` routes, so anyone who
+can reach the port could otherwise pause the server or load arbitrary weights into it.
+
+The rule: generation and read-only probes (`PUBLIC_PREFIXES`) are open as before; every other path
+needs either a loopback peer (127.0.0.0/8, ::1) when no token is set, or, when the server's
+environment holds `AGENTRL_CONTROL_TOKEN`, the header `X-Agentrl-Control-Token` with that value
+(from any peer, loopback included). `agentrl serve-model` refuses a non-loopback `--host` without a
+token; the learner's push (`common/weights.py`) sends the token from its own environment.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import os
+
+CONTROL_TOKEN_ENV = "AGENTRL_CONTROL_TOKEN"
+CONTROL_TOKEN_HEADER = "X-Agentrl-Control-Token"
+PUBLIC_PREFIXES = ("/v1/", "/inference/v1/", "/health", "/ping", "/version", "/metrics", "/tokenize",
+                   "/detokenize", "/weight_info", "/is_paused", "/docs", "/openapi.json")
+"""Paths anyone who reaches the server may use: generation and read-only probes."""
+
+
+def control_headers() -> dict[str, str]:
+    """The header a weight push sends: the token of this process's environment, if any."""
+    token = os.environ.get(CONTROL_TOKEN_ENV)
+    return {CONTROL_TOKEN_HEADER: token} if token else {}
+
+
+def is_public(path: str) -> bool:
+    return path in ("/health", "/ping", "/version", "/metrics") or path.startswith(PUBLIC_PREFIXES)
+
+
+def is_loopback(host: str | None) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed(path: str, peer_host: str | None, given_token: str | None, token: str | None) -> tuple[bool, str]:
+    """(allowed, why not) for one request."""
+    if is_public(path):
+        return True, ""
+    if token:
+        if given_token is not None and hmac.compare_digest(given_token.encode(), token.encode()):
+            return True, ""
+        return False, f"{path} needs the {CONTROL_TOKEN_HEADER} header (the server's {CONTROL_TOKEN_ENV})"
+    if is_loopback(peer_host):
+        return True, ""
+    return False, f"{path} is a weight-control endpoint: loopback peers only (the server has no {CONTROL_TOKEN_ENV})"
+
+
+async def control_auth(request, call_next):
+    """vLLM `--middleware` function (FastAPI `http` middleware): refuse control paths with 403."""
+    from starlette.responses import Response
+
+    ok, why = allowed(request.url.path, request.client.host if request.client else None,
+                      request.headers.get(CONTROL_TOKEN_HEADER), os.environ.get(CONTROL_TOKEN_ENV))
+    if not ok:
+        return Response(json.dumps({"error": why}), status_code=403, media_type="application/json")
+    return await call_next(request)
