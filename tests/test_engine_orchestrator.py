@@ -122,3 +122,65 @@ async def test_collector_threshold_is_raised_during_a_run_and_restored(env_tasks
     assert seen == [before[0]] and gc.get_threshold() == before
     with pytest.raises(ValueError, match="gc_threshold0"):
         OrchestratorConfig(gc_threshold0=0)
+
+
+class RaisingRewardEnv(MultiHopQAEnv):
+    """A user environment with a bug: `reward` raises for the tasks named in `bad`."""
+
+    bad: set[str] = set()
+
+    def reward(self, task, episode):
+        if task.task_id in self.bad:
+            raise KeyError(f"no reference for {task.task_id}")
+        return super().reward(task, episode)
+
+
+def _raising_env(env_tasks, bad: set[str]) -> RaisingRewardEnv:
+    base, tasks = env_tasks
+    env = RaisingRewardEnv(base.chat, EnvConfig(max_turns=2))
+    env.bad = bad
+    for tool in base.tools.values():
+        env.register_tool(tool)
+    return env
+
+
+async def test_an_environment_that_raises_fails_only_its_episodes_and_the_run_goes_on(env_tasks):
+    _, tasks = env_tasks
+    env = _raising_env(env_tasks, {tasks[1].task_id})
+    groups = []
+
+    async def sink(group):
+        groups.append(group)
+
+    orch = Orchestrator(env, answering_policy(env, []), sink,
+                        OrchestratorConfig(group_size=2, max_failure_rate=0.2, failure_window=50))
+    stats = await asyncio.wait_for(orch.run(tasks), 30)
+    assert stats.num_episodes_failed == 2 and len(groups) == len(tasks)  # one task's two samples; every group sent
+    failed = [t for g in groups for t in g.trajectories if t.status == "failed"]
+    assert {t.task_id for t in failed} == {tasks[1].task_id}
+    assert all("Traceback" in t.error and "KeyError: 'no reference for" in t.error for t in failed)
+    # Not trained on: the learner's batch preparation drops failed samples and counts them.
+    from agentrl.learner.advantages import AdvantageConfig
+    from agentrl.learner.prepare import prepare_batch
+    from agentrl.learner.rewards import RewardWeights
+
+    batch = prepare_batch(groups, version=0, mode="rl", staleness_bound=None, weights=RewardWeights(),
+                          advantage=AdvantageConfig())
+    assert batch.report["samples/failed"] == 2 and all(s.trajectory.status != "failed" for s in batch.samples)
+
+
+async def test_past_the_failure_rate_the_run_stops_with_the_first_traceback_and_the_count(env_tasks):
+    from agentrl.engine.orchestrator import TooManyFailures
+
+    _, tasks = env_tasks
+    env = _raising_env(env_tasks, {t.task_id for t in tasks[::2]})  # half the tasks: 50% > 20%
+
+    async def sink(group):
+        pass
+
+    orch = Orchestrator(env, answering_policy(env, []), sink,
+                        OrchestratorConfig(group_size=2, max_failure_rate=0.2, failure_window=10))
+    with pytest.raises(TooManyFailures) as err:
+        await asyncio.wait_for(orch.run(tasks * 3), 30)
+    assert "of the last 10 episodes failed" in str(err.value) and "KeyError" in str(err.value)
+    assert f"task {tasks[0].task_id}" in str(err.value)  # the first failure's task and traceback
