@@ -64,6 +64,17 @@ def _free_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+def write_episode_texts(path: Path, trajectories, chat) -> None:
+    """One JSON line per episode: task id, status, reward, error and the whole decoded text (the
+    prompt, every action and every tool response), gzip-compressed."""
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        for t in sorted(trajectories, key=lambda t: t.task_id):
+            f.write(json.dumps({"task_id": t.task_id, "status": t.status, "task_reward": t.task_reward,
+                                "error": t.error, "text": chat.decode(t.token_ids.tolist())}) + "\n")
+
+
 def _write_sample(path: Path, trajectories, chat) -> None:
     with open(path, "w") as f:
         for t in trajectories:
@@ -79,6 +90,7 @@ class Supervisor:
         self.config, self.out, self.resume = config, out, resume
         self.procs: list[ChildProcess] = []
         self.services: Services | None = None
+        self.conn: Connections | None = None
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
@@ -118,6 +130,8 @@ class Supervisor:
                 for t in sorted(trajectories, key=lambda t: t.task_id):
                     f.write(json.dumps({"task_id": t.task_id, "score": t.metrics.get(metric, 0.0), "status": t.status,
                                         **{k: v for k, v in t.metrics.items() if "/" not in k}}) + "\n")
+            if self.conn is not None:  # every episode's text, for reading failures (gzip: ~10x smaller)
+                write_episode_texts(folder / name.replace(".jsonl", ".text.jsonl.gz"), trajectories, self.conn.chat)
         if self.progress is not None:
             self.progress.deadline = self.deadline
             self.progress.log_eval(summary)
@@ -529,9 +543,11 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
                     "em_after": round(final["em"], 4), "f1_before": round(base["f1"], 4), "f1_after": round(final["f1"], 4),
                     "em_naive_rag": round(rag["em"], 4) if rag else None}
     for key in sorted(k for k in final if k.startswith("by_")):
+        name = key.replace("by_num_", "by_")  # a count in the metadata (num_hops) reads as by_hops
         for label, s in (("before", base), ("sft", sft), ("after", final)):
             if key in s:
-                summary[f"{final['score_metric']}_{label}_{key}"] = {v: round(c["score"], 4) for v, c in s[key].items()}
+                summary[f"{final['score_metric']}_{label}_{name}"] = {v: round(c["score"], 4) for v, c in s[key].items()}
+                summary[f"calls_{label}_{name}"] = {v: round(c["calls_per_episode"], 3) for v, c in s[key].items()}
     if "score" in sft:
         paired = paired_comparison(eval_records(out, "sft", sft), eval_records(out, "final", final))
         if paired:

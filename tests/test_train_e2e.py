@@ -11,6 +11,7 @@ and those are the ledger's groups.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -163,6 +164,11 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     # The servers serve what the learner trained (a version of the RL lineage).
     evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
     assert evals[-1]["label"] == "final" and evals[-1]["served_version"] > 2
+    # Every evaluation episode's whole text is kept, compressed.
+    final_texts = out / "evals" / f"final-v{evals[-1]['served_version']}.text.jsonl.gz"
+    with gzip.open(final_texts, "rt") as f:
+        episodes = [json.loads(line) for line in f]
+    assert len(episodes) == evals[-1]["n"] and all(e["text"].startswith("<|im_start|>system") for e in episodes)
 
     # The run's end exported the policy; evaluated alone (a fresh server, the run's config from the
     # folder), it scores what the run's final evaluation did.
