@@ -303,6 +303,8 @@ class Connections:
         self.vllm_urls, self.remote, self.model_dir, self.env_config = vllm_urls, remote, model_dir, env_config
         self.local = local or []
         self._stack = contextlib.AsyncExitStack()
+        self.mcp_servers: list = []
+        """The MCP servers these connections started (stdio children) or connected to."""
 
     async def __aenter__(self) -> Connections:
         from transformers import AutoTokenizer
@@ -346,6 +348,7 @@ class Connections:
             server = await self._stack.enter_async_context(McpServer(config))
         except McpStartError as err:
             raise ConfigError(f"{key}.{'mcp' if source.mcp else 'mcp_url'}: the MCP server did not start: {err}") from None
+        self.mcp_servers.append(server)
         return list(server.tools)
 
     async def __aexit__(self, *exc) -> None:

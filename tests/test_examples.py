@@ -1,7 +1,8 @@
 """The example environments (examples/*/) work as `agentrl train --config examples/X/config.toml`
 would start them, with their real tools: the config resolves over the embedded default (every
 plug-in imports, every option validates), the tasks load, train's own service start-up hosts the
-tools (the calculator service; the travel example's own tool service from its command), the
+tools (the calculator service; the travel example's own tool service from its command; the real
+`mcp-server-time` MCP server over stdio), the
 environment's gold demonstration played through those tools scores 1, and a wrong answer 0.
 Training them is measured, not tested (their READMEs give the figures and the commands).
 """
@@ -15,11 +16,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = {"arithmetic": {"calculator"}, "travel": {"get_weather", "find_flights", "get_city"}}
+EXAMPLES = {"arithmetic": {"calculator"}, "travel": {"get_weather", "find_flights", "get_city"},
+            "mcp_time": {"convert_time", "get_current_time"}}
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_plays_its_demonstrations_through_its_real_tools(name, tmp_path, tokenizer, monkeypatch):
+    from agentrl.common.watchdog import read_proc
     from agentrl.engine.episode import play
     from agentrl.engine.services import Connections, start_services
     from agentrl.engine.tasksets import load_taskset
@@ -45,13 +48,16 @@ def test_example_plays_its_demonstrations_through_its_real_tools(name, tmp_path,
                          for i, task in enumerate(taskset.heldout[:6])]
                 task = taskset.heldout[0]
                 wrong = await play(conn.env, task, [*conn.env.demonstration(task)[:-1], "<answer>-1</answer>"], group_id="w")
-                return right, wrong, services.procs
+                mcp_pids = [server.pid for server in conn.mcp_servers]
+            return right, wrong, services.procs, mcp_pids
         finally:
             services.stop()
 
-    right, wrong, procs = asyncio.run(run())
+    right, wrong, procs, mcp_pids = asyncio.run(run())
     for traj in right:
         assert traj.status == "ok" and traj.task_reward == 1.0, (traj.status, traj.task_reward, traj.error)
         assert traj.metrics["process/tool_success"] > 0  # the hosted tools answered
     assert wrong.task_reward == 0.0
-    assert procs and all(p.poll() is not None for p in procs), "a tool service outlived the run"
+    assert all(p.poll() is not None for p in procs), "a tool service outlived the run"
+    assert all(isinstance(pid, int) and read_proc(pid) is None for pid in mcp_pids), "an MCP server outlived the run"
+    assert len(procs) + len(mcp_pids) >= 1  # the tools were hosted by processes the run started
