@@ -204,11 +204,13 @@ class Learner:
         gets these weights when it answers again (`WeightPublisher`). Returns the served version."""
         publisher = self.publisher
         publisher.served_version = self.step
-        await publisher.probe()
+        await self.ranks.keepalive(publisher.probe())
         if publisher.down or any(v != self.step for v in publisher.versions.values()):
             # The servers hold weights this lineage does not own: pushed after the checkpoint we
             # resumed from (lost with a kill -9), or the weights before an init from SFT. Serve ours.
-            await publisher.publish(self.step, await asyncio.to_thread(self.ranks.snapshot))
+            # (The snapshot is a collective under torchrun: never inside keepalive, whose heartbeats are too.)
+            snapshot = await asyncio.to_thread(self.ranks.snapshot)
+            await publisher.publish(self.step, snapshot)
             await self.ranks.keepalive(publisher.wait())
         if publisher.down:
             print(f"learner: servers down at start: {sorted(publisher.down)}; they are pushed version "
@@ -219,7 +221,7 @@ class Learner:
         """Without pushes (publish_every = 0): the oldest version among the servers that answer."""
         probe = WeightPublisher(self.config.server_urls)
         probe.served_version = self.step
-        await probe.probe()
+        await self.ranks.keepalive(probe.probe())
         await probe.close()
         return probe.served_version
 
@@ -236,9 +238,9 @@ class Learner:
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
         await intake.receiver.start()
         if self.publisher is not None:
-            served = await self.ranks.keepalive(self._start_publishing())
+            served = await self._start_publishing()
         else:
-            served = await self.ranks.keepalive(self._query_served_version()) if cfg.server_urls else 0
+            served = await self._query_served_version() if cfg.server_urls else 0
         if self.version_pub is not None:
             await self.version_pub.start()
             await self.version_pub.publish(self.step, served)
