@@ -162,3 +162,34 @@ async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_t
         served = await learner._start_publishing()
         assert served == 0 and up.pushes == ["0"] and set(learner.publisher.down) == {dead_url}
         await learner.publisher.close()
+
+
+@pytest.mark.slow
+async def test_the_real_vllm_server_takes_the_push_while_another_server_is_unreachable(vllm_server, model_dir):
+    """The same isolation against the session's real vLLM server: it takes the push (its own weights,
+    relabelled, then the label put back) while the second server has nothing listening."""
+    from safetensors.torch import load_file
+
+    from agentrl.common.inference import VLLMClient
+
+    original = load_file(str(model_dir / "model.safetensors"))
+    real = vllm_server.base_url
+    dead_url = f"http://127.0.0.1:{_free_port()}"
+    async with VLLMClient(real) as client:
+        version0 = await client.weight_version()
+    publisher = WeightPublisher([real, dead_url], probe_timeout_s=2.0, probe_interval_s=3600.0)
+    try:
+        await publisher.probe()
+        assert publisher.versions == {real: version0} and set(publisher.down) == {dead_url}
+        await publisher.publish(version0 + 1, original)
+        report = await publisher.wait()
+        assert set(report.per_server) == {real} and set(report.failed) == {dead_url}
+        async with VLLMClient(real) as client:
+            assert await client.weight_version() == version0 + 1
+        assert publisher.served_version == version0 + 1
+    finally:
+        await publisher.publish(version0, original)  # the label back, for the tests after this one
+        await publisher.wait()
+        await publisher.close()
+    async with VLLMClient(real) as client:
+        assert await client.weight_version() == version0
