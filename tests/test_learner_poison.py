@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 import socket
 
 import msgpack
@@ -361,3 +363,100 @@ async def test_the_learner_skips_a_nonfinite_update_records_it_and_goes_on(tmp_p
     [line] = read_metrics(learner.out / "metrics.jsonl")
     assert line["step"] == 1 and line["steps/skipped_nonfinite_grad"] == 1 and np.isfinite(line["grad_norm"])
     assert line["group_ids"] == ["g2"] and line["rejected_group_ids"] == ["g0", "g1"]
+
+
+# ---- the learner process itself --------------------------------------------------------------------
+@pytest.mark.slow
+async def test_the_learner_process_refuses_poison_trains_the_rest_and_restarts_clean(tmp_path):
+    """The issue's poison list through a real `agentrl learner` process: it trains the good groups to
+    max_steps and exits 0; the poison is nacked (or dropped by the sender), kept in rejected/, not
+    spooled, so a restart has nothing to replay and starts clean."""
+    import subprocess
+    import sys
+
+    from support.synthetic import tiny_llama
+
+    from agentrl.learner.metrics import read_metrics
+
+    vocab = 64
+    model_dir = tmp_path / "model"
+    tiny_llama(vocab_size=vocab).save_pretrained(model_dir)
+    ep = endpoint()
+    run_dir = tmp_path / "run"
+    config = tmp_path / "learner.toml"
+    config.write_text(f"""
+output_dir = "{run_dir}"
+model_dir = "{model_dir}"
+tokens_per_step = 100
+max_steps = 3
+publish_every = 0
+staleness_bound = 100
+group_endpoint = "{ep}"
+version_endpoint = "{endpoint()}"
+tensorboard = false
+progress_bar = false
+
+[trainer]
+precision = "fp32"
+max_row_tokens = 256
+""")
+
+    def group(gid: str, seed: int):  # 2 samples x 25 tokens: two groups fill a 100-token step
+        return make_group(gid, [1.0, 0.0], prompt_len=5, turns=[(8, 4), (8, 0)], vocab_size=vocab, seed=seed)
+
+    def start() -> subprocess.Popen:
+        log = open(tmp_path / "learner.log", "ab")  # noqa: SIM115 (the child holds it)
+        return subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    nan_reward = group("nan-reward", 100)
+    nan_reward.trajectories[0].task_reward = math.nan
+    past_vocab = group("past-vocab", 101)
+    past_vocab.trajectories[1].token_ids[0] = vocab
+    nan_logprob = group("nan-logprob", 102)
+    nan_logprob.trajectories[0].behavior_logprobs[nan_logprob.trajectories[0].is_action == 1] = np.nan
+    int_id = group("int-id", 103)
+    int_id.group_id = 5
+    base = encode_group(group("string-process-reward", 104))
+    raw_poison = [[GROUP, *_with_header(base, _set_turn("process_rewards", {"valid": "0.1"}))],
+                  [GROUP, *_with_header(encode_group(group("x", 105)), lambda h: h.update(group_id=12345))]]
+    learner = start()
+    ctx = zmq.asyncio.Context()
+    hostile = ctx.socket(zmq.DEALER)
+    hostile.setsockopt(zmq.LINGER, 0)
+    sender = GroupSender(ep, max_unacked=2)
+    try:
+        # Once the learner waits for its first batch, the hostile frames come first: it must answer them
+        # (it reads the socket only while it assembles a batch, so later ones could outlive its last step).
+        await _wait_for(lambda: "READY" in (tmp_path / "learner.log").read_text(), timeout_s=120)
+        hostile.connect(ep)
+        for frames in raw_poison:
+            await hostile.send_multipart(frames)
+        nacks = [await asyncio.wait_for(hostile.recv_multipart(), 30) for _ in raw_poison]
+        await sender.start()
+        for poison in (nan_reward, past_vocab, nan_logprob, int_id):
+            await asyncio.wait_for(sender.send(poison), 60)
+        for i in range(6):
+            await asyncio.wait_for(sender.send(group(f"ok-{i}", i)), 60)
+        assert await asyncio.to_thread(learner.wait, 120) == 0
+    finally:
+        if learner.poll() is None:
+            os.killpg(learner.pid, signal.SIGKILL)
+        await sender.close()
+        ctx.destroy(linger=0)
+    assert sender.num_acked == 6 and sender.num_rejected == 4 and sender.num_unacked == 0
+    assert set(sender.rejected) == {"nan-reward", "past-vocab", "nan-logprob", "5"}
+    assert [n[0] for n in nacks] == [NACK, NACK] and nacks[0][1] == b"string-process-reward" and nacks[1][1] == b""
+    kept = read_rejected(run_dir / "rejected")
+    assert sorted(r["group_id"] or "" for r in kept) == sorted(["", "nan-logprob", "nan-reward", "past-vocab",
+                                                                 "string-process-reward"])
+    trained = [gid for line in read_metrics(run_dir / "metrics.jsonl") for gid in line["group_ids"]]
+    assert sorted(trained) == [f"ok-{i}" for i in range(6)]
+    assert not list((run_dir / "spool").glob("*.grp"))  # pruned by the final checkpoint; no poison ever there
+    restarted = start()
+    try:
+        assert await asyncio.to_thread(restarted.wait, 120) == 0  # at max_steps already: starts, checkpoints, exits
+    finally:
+        if restarted.poll() is None:
+            os.killpg(restarted.pid, signal.SIGKILL)
+    assert "replay=0" in (tmp_path / "learner.log").read_text().split("READY")[-1]
