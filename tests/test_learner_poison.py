@@ -343,6 +343,7 @@ async def test_the_learner_skips_a_nonfinite_update_records_it_and_goes_on(tmp_p
     learner = Learner(config)
     learner.start_training()
     assert learner.intake.receiver.vocab_size == 128
+    assert learner.intake.receiver.max_frame_bytes == config.max_group_frame_bytes == 64 << 20
     learner.metrics, learner.publisher, learner.version_pub = MetricsWriter(learner.out, tensorboard=False,
                                                                             progress_bar=False), None, None
     norm = learner.ranks.model.model.norm.weight
@@ -460,3 +461,40 @@ max_row_tokens = 256
         if restarted.poll() is None:
             os.killpg(restarted.pid, signal.SIGKILL)
     assert "replay=0" in (tmp_path / "learner.log").read_text().split("READY")[-1]
+
+
+async def test_version_messages_that_do_not_decode_are_skipped_and_the_publisher_bounds_its_frames():
+    """The actor's version subscriber reads what a PUB sends: junk is skipped and counted (it used to
+    kill the listening task, freezing the actor's view of the learner's version). The learner's PUB
+    reads only subscriptions, under a small MAXMSGSIZE."""
+    from agentrl.common.transport import CONTROL_MAX_FRAME_BYTES, VersionPublisher, VersionSubscriber
+
+    ep = endpoint()
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(ep)
+    sub = VersionSubscriber(ep)
+    await sub.start()
+    try:
+        for _ in range(100):  # PUB drops what it sends before the subscription arrives
+            await pub.send(msgpack.packb({"version": 1, "served_version": 1}))
+            if sub.latest is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert sub.latest == (1, 1)
+        for junk in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"version": "9", "served_version": 9}),
+                     msgpack.packb({"version": 9}), msgpack.packb({"version": True, "served_version": 9})):
+            await pub.send(junk)
+        await pub.send(msgpack.packb({"version": 3, "served_version": 2}))
+        assert await sub.wait_until(lambda v: v == (3, 2), timeout_s=10) == (3, 2)
+        assert sub.num_malformed == 5
+    finally:
+        await sub.close()
+        ctx.destroy(linger=0)
+    publisher = VersionPublisher(endpoint())
+    await publisher.start()
+    try:
+        assert publisher._sock.getsockopt(zmq.MAXMSGSIZE) == CONTROL_MAX_FRAME_BYTES
+    finally:
+        await publisher.close()

@@ -28,10 +28,14 @@ sender also drops, the same way, a group it cannot send: a non-str group id, an 
 fit the wire's int32, or a frame over `max_frame_bytes` (the receiver's MAXMSGSIZE: ZeroMQ would
 cut the connection on it, and the reconnect would resend it into the same cut forever).
 
-Sizes: every socket sets ZeroMQ's MAXMSGSIZE (a per-frame bound), so a larger inbound frame is
-never buffered: ZeroMQ drops that peer's connection instead. The receiver's bound is its
-`max_frame_bytes` (the learner's `max_group_frame_bytes`); acks, nacks and versions are small
-(`CONTROL_MAX_FRAME_BYTES`). A nack to a sender that does not read is dropped, not waited for.
+Sizes: the learner's sockets (the ones that bind) set ZeroMQ's MAXMSGSIZE, a per-frame bound, so a
+larger inbound frame is never buffered: ZeroMQ drops that peer's connection instead, and the peer
+reconnects. The receiver's bound is its `max_frame_bytes` (the learner's `max_group_frame_bytes`);
+the version publisher reads only subscriptions (`CONTROL_MAX_FRAME_BYTES`). The connecting sockets
+(sender, subscriber) set none: libzmq ends a connecting session for good on that protocol error (no
+reconnect; seen with a SUB), so a bound there would turn one oversized answer from the learner into
+a sender or subscriber cut off for the rest of the run. A nack to a sender that does not read is
+dropped, not waited for.
 
 Backpressure: `send` blocks while `max_unacked` groups await an ack, so a learner that falls
 behind stops the orchestrator (which then stops starting episodes) instead of growing memory.
@@ -72,7 +76,7 @@ The largest legitimate frame is a long trajectory's token_ids: 4 bytes a token, 
 context is 512 KiB and 64 MiB holds 16M tokens; a header is about 100 bytes per turn (a 64-sample
 group of 200 turns: ~1.3 MiB)."""
 CONTROL_MAX_FRAME_BYTES = 64 << 10
-"""MAXMSGSIZE of the sockets that only read acks, nacks, versions or subscriptions (tens of bytes)."""
+"""MAXMSGSIZE of the version publisher, which reads only subscriptions (a few bytes each)."""
 MAX_REASON_BYTES = 1024
 
 
@@ -140,7 +144,6 @@ class GroupSender(_Owned):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_FRAME_BYTES)
         monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.endpoint)
         self._spawn(self._read_acks(), "group-sender-acks")
@@ -384,7 +387,6 @@ class VersionSubscriber(_Owned):
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_FRAME_BYTES)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.endpoint)
         self._spawn(self._listen(sock), "version-subscriber")
