@@ -258,7 +258,7 @@ class Supervisor:
                                             "checkpoint_every": cfg.sft.steps})
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
-        sender = GroupSender(data["group_endpoint"], max_unacked=8)
+        sender = GroupSender(data["group_endpoint"], max_unacked=8, max_frame_bytes=self.config.learner.max_group_frame_bytes)
         await sender.start()
         t0 = time.perf_counter()
         epoch = 0
@@ -298,6 +298,7 @@ class Supervisor:
             "model_dir": self.model_dir,
             "group_endpoint": data["group_endpoint"],
             "version_endpoint": data["version_endpoint"],
+            "max_group_frame_bytes": self.config.learner.max_group_frame_bytes,
             "out_dir": str(self.out / "actor"),
             "tasks": to_dict(cfg.tasks),
             "env": to_dict(cfg.env),

@@ -26,6 +26,7 @@ from dataclasses import field
 from pathlib import Path
 
 from agentrl.common.config import ConfigError, build, config_dataclass, read_toml
+from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.orchestrator import OrchestratorConfig
 from agentrl.engine.services import Connections, RemoteService, ToolSource
@@ -46,6 +47,9 @@ class ActorConfig:
     """The learner's GroupReceiver."""
     version_endpoint: str = ""
     """The learner's VersionPublisher."""
+    max_group_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES
+    """Largest frame of a group sent, in bytes: the learner's `max_group_frame_bytes` (its MAXMSGSIZE).
+    A larger group is dropped here, logged and counted, since the learner's socket would cut it off."""
     out_dir: str = ""
     """Where stats.jsonl and the task set's files go."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
@@ -68,7 +72,8 @@ async def run_actor(cfg: ActorConfig) -> int:
         # The learner's queue is part of the staleness budget: every group waiting there is trained
         # at a later version than the one that sampled it. Bounding the unacknowledged groups to
         # the orchestrator's own in-flight bound keeps data at most ~2 x that many steps old.
-        sender = GroupSender(cfg.group_endpoint, max_unacked=cfg.orchestrator.max_groups_in_flight)
+        sender = GroupSender(cfg.group_endpoint, max_unacked=cfg.orchestrator.max_groups_in_flight,
+                             max_frame_bytes=cfg.max_group_frame_bytes)
         versions = VersionSubscriber(cfg.version_endpoint)
         await sender.start()
         await versions.start()
@@ -84,6 +89,7 @@ async def run_actor(cfg: ActorConfig) -> int:
                 with open(stats_path, "a") as f:
                     f.write(json.dumps({"time": time.time(), "elapsed_s": time.time() - t0, **dataclasses.asdict(orch.stats),
                                         "generated_tokens": conn.pool.num_generated_tokens,
+                                        "groups_rejected": sender.num_rejected,
                                         "latest_version": versions.latest}) + "\n")
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError):

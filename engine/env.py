@@ -58,7 +58,7 @@ import numpy as np
 from pydantic import Field
 
 from agentrl.common.config import config_dataclass
-from agentrl.common.trajectory import Trajectory, Turn
+from agentrl.common.trajectory import Trajectory, Turn, int32_array
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, IM_END, ChatFormat, list_tools
 from agentrl.engine.parsers import HermesParser, ParsedAction, ToolCall, ToolCallParser
@@ -172,8 +172,9 @@ class EpisodeState:
         end = time.time()
         traj = Trajectory(
             task_id=self.task.task_id, group_id=group_id, sample_index=sample_index,
-            token_ids=np.asarray(self.token_ids, dtype=np.int32), is_action=np.asarray(self.is_action, dtype=np.uint8),
-            behavior_logprobs=np.asarray(self.logprobs, dtype=np.float32), policy_versions=np.asarray(self.versions, dtype=np.int32),
+            token_ids=int32_array(self.token_ids, "token_ids"), is_action=np.asarray(self.is_action, dtype=np.uint8),
+            behavior_logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            policy_versions=int32_array(self.versions, "policy_versions"),
             prompt_len=self.prompt_len, turns=self.turns, task_reward=float(self.task_reward), status=self.status, error=self.error,
             metrics=metrics,
             timing={"generate_s": self.generate_s, "tool_s": self.tool_s, "wall_s": end - self.start_time,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from agentrl.common.trajectory import Trajectory, Turn
+from agentrl.common.trajectory import Trajectory, Turn, int32_array
 from agentrl.gateway.protocol import GatewayError, Message, text_of
 from agentrl.gateway.render import Recorded, Rendered
 
@@ -262,12 +262,12 @@ def session_trajectories(record: dict, *, task_id: str | None = None, group_id: 
     for k, seg in enumerate(segments):
         is_action = np.asarray(seg["is_action"], dtype=np.uint8)
         logprobs = np.asarray([0.0 if x is None else x for x in seg["logprobs"]], dtype=np.float32)
-        versions = np.asarray([-1 if x is None else x for x in seg["versions"]], dtype=np.int32)
+        versions = int32_array([-1 if x is None else x for x in seg["versions"]], "policy_versions")
         turns = [Turn(t["action_start"], t["action_end"], t["obs_end"], num_tool_calls=t["num_tool_calls"]) for t in seg["turns"]]
         truncated = bool(seg["turns"]) and seg["turns"][-1]["finish_reason"] == "length"
         traj = Trajectory(
             task_id=task_id or record["id"], group_id=group_id or record["id"], sample_index=k,
-            token_ids=np.asarray(seg["token_ids"], dtype=np.int32), is_action=is_action,
+            token_ids=int32_array(seg["token_ids"], "token_ids"), is_action=is_action,
             behavior_logprobs=logprobs, policy_versions=versions, prompt_len=seg["prompt_len"], turns=turns,
             task_reward=float(task_reward), status="truncated" if truncated else "ok",
             metrics={"num_turns": float(len(turns)), "num_tool_calls": float(sum(t.num_tool_calls for t in turns)),

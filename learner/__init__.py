@@ -2,6 +2,7 @@
 
     service.py       the `agentrl learner` process: wiring and the step loop; config.py its LearnerConfig
     intake.py        receiver + spool + ledger (exactly-once consumption; ledger.py)
+    rejected.py      rejected/: refused group messages (raw frames + JSON reason), kept for reading
     prepare.py       batch preparation (staleness, filtering, advantages): a pure function
     ranks.py         build / restore / step / snapshot / checkpoint state, in one process or as rank 0
                      under torchrun (distributed.py: FSDP2, the rank command channel)

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from agentrl.common.config import config_dataclass
+from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
 from agentrl.learner.rewards import RewardSchedule
 from agentrl.learner.trainer import TrainerConfig
 
@@ -16,7 +17,7 @@ from agentrl.learner.trainer import TrainerConfig
 @config_dataclass
 class LearnerConfig:
     output_dir: str = ""
-    """Folder for metrics.jsonl, tensorboard/, checkpoints/ and spool/ (created); required to run a
+    """Folder for metrics.jsonl, tensorboard/, checkpoints/, spool/ and rejected/ (created); required to run a
     learner (`agentrl train` sets it per phase)."""
     model_dir: str | None = None
     """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.common.model)."""
@@ -45,6 +46,14 @@ class LearnerConfig:
     """ZeroMQ endpoint the learner binds to receive trajectory groups."""
     version_endpoint: str | None = "tcp://127.0.0.1:5556"
     """ZeroMQ endpoint the learner binds to publish its version (None = do not publish)."""
+    max_group_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES
+    """Largest frame of a trajectory group the receiver reads, in bytes (ZeroMQ MAXMSGSIZE on its
+    socket): a sender of a larger frame is disconnected before the frame is buffered. A group's
+    largest frame is its header or one trajectory's token ids (4 bytes a token); the default, 64 MiB,
+    holds a 16M-token trajectory. Senders (the actor) must use the same bound (`agentrl train` passes it)."""
+    max_rejected_bytes: int = 1 << 30
+    """output_dir/rejected/ (refused groups, kept for reading: learner/rejected.py) stops growing at
+    this many bytes; later refusals are still logged, counted and nacked."""
     server_urls: list[str] = field(default_factory=list)
     """vLLM server base URLs to push weights to."""
     reward_schedule: RewardSchedule = field(default_factory=RewardSchedule)
@@ -76,6 +85,9 @@ class LearnerConfig:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} must be > 0")
         if self.checkpoint_every <= 0:
             raise ValueError(f"checkpoint_every={self.checkpoint_every} must be > 0")
+        if self.max_group_frame_bytes < 1 << 10:
+            raise ValueError(f"max_group_frame_bytes={self.max_group_frame_bytes} must be >= 1024 (a group header alone "
+                             "is hundreds of bytes)")
         if self.publish_every < 0:
             raise ValueError(f"publish_every={self.publish_every} must be >= 0")
         if self.kv_refresh_every < 1:

@@ -8,6 +8,12 @@ token budget), then spooled groups the ledger does not cover (replayed after a r
 order), then the socket. A new group is spooled, then acknowledged; a duplicate (already in the
 ledger or the spool: the sender resent it) is acknowledged again and skipped, so the sender stops
 resending it.
+
+Poison: the receiver checks every group as it decodes it (`trajectory.decode_group`), before it is
+spooled or acknowledged; a refused one is nacked, so the sender drops it, and kept in `rejected/`
+(`rejected.py`). It never reaches the spool, so no restart replays it. A spooled group that fails the
+same checks on replay (spooled by a learner that checked less) is moved to `rejected/` and recorded
+in the ledger as "malformed", instead of failing every restart.
 """
 
 from __future__ import annotations
@@ -15,19 +21,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from agentrl.common.trajectory import TrajectoryGroup
+from agentrl.common.trajectory import GroupRejected, TrajectoryGroup
 from agentrl.common.transport import GroupReceiver
 from agentrl.learner.ledger import Ledger, Spool
+from agentrl.learner.rejected import RejectedStore
 
 
 class Intake:
-    def __init__(self, receiver: GroupReceiver, spool: Spool, ledger: Ledger):
+    def __init__(self, receiver: GroupReceiver, spool: Spool, ledger: Ledger, rejected: RejectedStore):
         self.receiver = receiver
         self.spool = spool
         self.ledger = ledger
+        self.rejected = rejected
+        receiver.on_reject = lambda frames, reason, gid, sender: rejected.put(frames, reason, gid, source="socket",
+                                                                              sender=sender)
         self._carry: list[TrajectoryGroup] = []
         self._replay = [gid for gid in spool.pending() if gid not in ledger]
         self.num_duplicates = 0
+        self.num_replay_rejected = 0
 
     @property
     def num_replayed(self) -> int:
@@ -39,7 +50,10 @@ class Intake:
             if self._carry:
                 return self._carry.pop(0)
             if self._replay:
-                return self.spool.load(self._replay.pop(0))
+                group = self._load_replay(self._replay.pop(0))
+                if group is not None:
+                    return group
+                continue
             received = await self.receiver.recv()
             gid = received.group.group_id
             if gid in self.ledger or gid in self.spool:
@@ -49,6 +63,15 @@ class Intake:
             self.spool.put(received.group)
             await self.receiver.ack(received)
             return received.group
+
+    def _load_replay(self, gid: str) -> TrajectoryGroup | None:
+        try:
+            return self.spool.load(gid, vocab_size=self.receiver.vocab_size)
+        except GroupRejected as err:
+            self.rejected.put(self.spool.frames(gid), err.reason, gid, source="spool")
+            self.ledger.rejected[gid] = "malformed"  # pruned from the spool with the next checkpoint
+            self.num_replay_rejected += 1
+            return None
 
     async def collect(self, tokens_per_step: int, stop: asyncio.Event, *, heartbeat: Callable[[], None],
                       heartbeat_s: float | None) -> list[TrajectoryGroup] | None:

@@ -68,9 +68,14 @@ class Spool:
         write_atomic(path, msgpack.packb({"group_id": group.group_id, "frames": encode_group(group)}, use_bin_type=True))
         self._paths[group.group_id] = path
 
-    def load(self, group_id: str) -> TrajectoryGroup:
+    def frames(self, group_id: str) -> list[bytes]:
+        """The group's message frames as received."""
         with open(self._paths[group_id], "rb") as f:
-            return decode_group(msgpack.unpackb(f.read(), raw=False)["frames"])
+            return msgpack.unpackb(f.read(), raw=False)["frames"]
+
+    def load(self, group_id: str, *, vocab_size: int | None = None) -> TrajectoryGroup:
+        """The spooled group, through the receiver's checks (`decode_group`; raises GroupRejected)."""
+        return decode_group(self.frames(group_id), vocab_size=vocab_size)
 
     def pending(self) -> list[str]:
         """Spooled group ids in arrival order."""
@@ -90,7 +95,8 @@ class Ledger:
     trained: dict[str, int] = field(default_factory=dict)
     """group id -> optimizer step (1-based, the step the update produced) that trained on it."""
     rejected: dict[str, str] = field(default_factory=dict)
-    """group id -> why it was not trained ("stale", "equal_rewards", "too_few_samples")."""
+    """group id -> why it was not trained ("stale", "equal_rewards", "too_few_samples", "nothing_to_train",
+    "nonfinite_gradient"; "malformed": spooled, then refused by the checks on replay, see rejected/)."""
 
     def __contains__(self, group_id: str) -> bool:
         return group_id in self.trained or group_id in self.rejected

@@ -11,18 +11,23 @@ first onto the same servers). Both stalls are measured and reported (`stall_s`).
 The weights go out in bfloat16 (the servers run bf16; half the bytes of fp32). A tied LM head is
 not sent: the server ties it to the embedding it receives.
 
-Ownership: the publisher owns its one background task; `wait()` surfaces its failure (a push error
-stops the learner instead of letting servers silently fall behind) and `close()` bounds shutdown.
+Ownership: the publisher owns its push task and its recovery loop; `wait()` surfaces a failure of
+this side (a push error on one server only marks that server down: `WeightPublisher`), and
+`close()` bounds shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,7 +37,9 @@ class PushReport:
     """Background time from snapshot to the last server confirming."""
     write_s: float
     per_server: dict[str, dict[str, float]]
-    """base URL -> {pause_s, reload_s, stage_s}."""
+    """base URL -> {pause_s, reload_s, stage_s}, for the servers that took the push."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """base URL -> why the push to it failed (it is marked down)."""
 
 
 def snapshot_weights(causal_lm: nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -69,18 +76,58 @@ def snapshot_from_policy_state(policy_state: dict[str, torch.Tensor], *, tied: b
 
 
 class WeightPublisher:
-    def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, kv_refresh_every: int = 1):
+    """Pushes each snapshot to every server that is up; one server's failure is that server's alone.
+
+    Per-server isolation: a push that fails on one server (unreachable, timed out, refused) marks
+    that server down (logged, counted in `num_push_failures`); the others still get the weights and
+    `served_version` is the oldest version among the servers that are up. While any server is down,
+    the latest weights file is kept (one file in /dev/shm), and every `probe_interval_s` the
+    publisher asks each down server for its version; one that answers is pushed the latest weights
+    and is up again. A down server is also asked before each new push, and joins it if it answers.
+    `probe` (at start) asks every server for its version concurrently; one that does not answer
+    within `probe_timeout_s` is marked down instead of failing the learner.
+
+    All pushes, recovery ones included, run as the one background task (`_task`), so two pushes never
+    race onto the same server; the recovery loop only starts one when no push is in flight.
+    """
+
+    def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, kv_refresh_every: int = 1,
+                 probe_timeout_s: float = 5.0, probe_interval_s: float = 5.0):
         if kv_refresh_every < 1:
             raise ValueError(f"kv_refresh_every={kv_refresh_every} must be >= 1")
         self.server_urls = list(server_urls)
         self.push_timeout_s = push_timeout_s
         self.kv_refresh_every = kv_refresh_every
         """Every this many pushes, the servers' KV and prefix caches are dropped (running requests
-        recompute under the new weights); the pushes between keep them (engine.weights, step 3)."""
+        recompute under the new weights); the pushes in between keep them (engine.weights, step 3)."""
+        self.probe_timeout_s = probe_timeout_s
+        """How long a version query to a server may take before it counts as down, seconds."""
+        self.probe_interval_s = probe_interval_s
+        """How often down servers are asked whether they answer again, seconds."""
         self._num_pushes = 0
         self._task: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._latest: tuple[int, Path] | None = None
+        """(version, weights file) of the latest push, kept while a server is down."""
+        self.versions: dict[str, int] = {}
+        """base URL -> the version it serves, for the servers that are up."""
+        self.down: dict[str, str] = {}
+        """base URL -> why it is marked down (its last failure)."""
+        self.num_push_failures: dict[str, int] = {url: 0 for url in self.server_urls}
+        self.num_recoveries = 0
+        """Down servers that answered again and took the latest weights."""
         self.served_version = 0
         self.reports: list[PushReport] = []
+
+    async def probe(self) -> None:
+        """Ask every server which version it serves (concurrently); a server that does not answer is marked down."""
+        answers = await asyncio.gather(*(self._query_version(url) for url in self.server_urls))
+        for url, version in zip(self.server_urls, answers, strict=True):
+            if version is not None:
+                self.down.pop(url, None)
+                self.versions[url] = version
+        self._update_served()
+        self._ensure_watcher()
 
     async def publish(self, version: int, snapshot: dict[str, torch.Tensor]) -> float:
         """Start pushing `snapshot` as `version`; returns the seconds spent waiting for the previous push."""
@@ -88,39 +135,123 @@ class WeightPublisher:
         await self.wait()
         stall_s = time.perf_counter() - t0
         self._task = asyncio.create_task(self._push(version, snapshot), name=f"weight-push-v{version}")
+        self._ensure_watcher()
         return stall_s
 
     async def _push(self, version: int, snapshot: dict[str, torch.Tensor]) -> PushReport:
-        from agentrl.common.weights import push_weights, write_weights
+        from agentrl.common.weights import write_weights
 
         t0 = time.perf_counter()
         self._num_pushes += 1
         recompute_kv = self._num_pushes % self.kv_refresh_every == 0
         path = await asyncio.to_thread(write_weights, snapshot)
         write_s = time.perf_counter() - t0
-        try:
-            results = await asyncio.gather(
-                *(push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=recompute_kv)
-                  for url in self.server_urls)
-            )
-        finally:
-            path.unlink(missing_ok=True)
+        self._set_latest(version, path)
+        down = list(self.down)
+        answering = await asyncio.gather(*(self._query_version(url) for url in down))
+        targets = [url for url in self.server_urls if url not in self.down
+                   or answering[down.index(url)] is not None]
+        results = await asyncio.gather(*(self._push_one(url, path, version, recompute_kv or url in down)
+                                         for url in targets))
         report = PushReport(
-            version=version,
-            total_s=time.perf_counter() - t0,
-            write_s=write_s,
+            version=version, total_s=time.perf_counter() - t0, write_s=write_s,
             per_server={url: {"pause_s": r.pause_s, "reload_s": r.reload_s, "stage_s": r.stage_s}
-                        for url, r in zip(self.server_urls, results, strict=True)},
+                        for url, r in zip(targets, results, strict=True) if r is not None},
+            failed={url: self.down[url] for url in self.server_urls if url in self.down},
         )
-        self.served_version = version
+        self.num_recoveries += sum(url in down and url not in self.down for url in targets)
+        self._after_pushes()
         self.reports.append(report)
         return report
 
+    async def _recover(self) -> None:
+        """Push the latest weights to the down servers that answer again."""
+        assert self._latest is not None
+        version, path = self._latest
+        down = list(self.down)
+        answering = await asyncio.gather(*(self._query_version(url) for url in down))
+        back = [url for url, v in zip(down, answering, strict=True) if v is not None]
+        if back:
+            log.warning("weight publisher: %s answer again; pushing them version %d", back, version)
+            await asyncio.gather(*(self._push_one(url, path, version, True) for url in back))
+            self.num_recoveries += sum(url not in self.down for url in back)
+        self._after_pushes()
+
+    async def _push_one(self, url: str, path: Path, version: int, recompute_kv: bool):
+        from agentrl.common.weights import WeightPushError, push_weights
+
+        try:
+            result = await push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=recompute_kv)
+        except (WeightPushError, TimeoutError) as err:
+            self._mark_down(url, f"push of version {version} failed: {type(err).__name__}: {err}")
+            return None
+        self.down.pop(url, None)
+        self.versions[url] = version
+        return result
+
+    async def _query_version(self, url: str) -> int | None:
+        """The version `url` serves, or None (and the server is marked down) if it does not answer."""
+        from agentrl.common.inference import InferenceServerError, VLLMClient
+
+        try:
+            async with asyncio.timeout(self.probe_timeout_s), VLLMClient(url, connect_timeout_s=self.probe_timeout_s) as client:
+                return await client.weight_version()
+        except (InferenceServerError, TimeoutError) as err:
+            if url not in self.down:
+                self._mark_down(url, f"version query failed: {type(err).__name__}: {err}")
+            return None
+
+    def _mark_down(self, url: str, why: str) -> None:
+        if url not in self.down:
+            log.error("weight publisher: server %s is down (%s); the others keep getting weights, and it is "
+                      "pushed the latest ones when it answers again", url, why)
+        self.num_push_failures[url] = self.num_push_failures.get(url, 0) + 1
+        self.down[url] = why
+        self.versions.pop(url, None)
+
+    def _set_latest(self, version: int, path: Path) -> None:
+        if self._latest is not None:
+            self._latest[1].unlink(missing_ok=True)
+        self._latest = (version, path)
+
+    def _after_pushes(self) -> None:
+        """Keep the latest weights file only while a server still needs it; update served_version."""
+        if not self.down and self._latest is not None:
+            self._latest[1].unlink(missing_ok=True)
+            self._latest = None
+        self._update_served()
+
+    def _update_served(self) -> None:
+        if self.versions:  # none up: keep the last value (nothing serves anything newer)
+            self.served_version = min(self.versions.values())
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch_down(), name="weight-publisher-recovery")
+
+    async def _watch_down(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            idle = self._task is None or (self._task.done() and not self._task.cancelled()
+                                          and self._task.exception() is None)
+            if self.down and self._latest is not None and idle:
+                self._task = asyncio.create_task(self._recover(), name="weight-push-recovery")
+
     async def wait(self) -> PushReport | None:
-        """Wait for the push in flight (if any); re-raises its failure."""
+        """Wait for the push in flight (if any); re-raises its failure (a failure of this side, such
+        as the weights file write; a server's failure only marks it down)."""
         task, self._task = self._task, None
         return await task if task is not None else None
 
     async def close(self, timeout_s: float = 60.0) -> None:
-        if self._task is not None:
-            await asyncio.wait_for(self.wait(), timeout_s)
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.wait({self._watcher}, timeout=timeout_s)
+            self._watcher = None
+        try:
+            if self._task is not None:
+                await asyncio.wait_for(self.wait(), timeout_s)
+        finally:
+            if self._latest is not None:
+                self._latest[1].unlink(missing_ok=True)
+                self._latest = None

@@ -120,6 +120,11 @@ class Solo:
     def build(self) -> None:
         self.trainer, self.model = build_trainer(self.config, self.device, shard=False)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the policy's embedding takes: [0, vocab_size) (the receiver refuses others)."""
+        return int(self.model.config.vocab_size)
+
     def _policy_keys(self) -> set[str]:
         return {k for k in self.trainer.policy.state_dict() if not k.startswith("value_head.")}
 

@@ -2,15 +2,20 @@
 
 One step of the loop (`Learner.run`), in order:
 1. wait for data: take groups (replayed spool first, then the socket) until the step's token budget
-   is reached; each new group is spooled and acknowledged at once (`ledger.py` for why that is
+   is reached; each new group is checked as it is decoded (a refused one is nacked and kept in
+   rejected/: `intake.py`), spooled and acknowledged at once (`ledger.py` for why that is
    exactly-once), duplicates are acknowledged and skipped;
 2. off-policy control: drop trajectories whose oldest action token is more than `staleness_bound`
    versions behind the learner (counted and reported), record the staleness histogram;
 3. advantages (reward schedule weights at this step), dynamic sampling, packing, one optimizer step
    on a worker thread (the event loop stays free for the background weight push and the sockets);
+   a step whose gradient norm is not finite is skipped (nothing applied, the version stays, its
+   groups are recorded as "nonfinite_gradient", counted in `steps/skipped_nonfinite_grad`);
 4. ledger update, metrics line;
 5. every `publish_every` steps: snapshot the weights and push them to every vLLM server in the
-   background (`publish.py`); publish (version, served_version) to the orchestrator;
+   background (`publish.py`; a server that fails is marked down and re-pushed the latest weights
+   when it answers again, the others are not held up); publish (version, served_version) to the
+   orchestrator;
 6. every `checkpoint_every` steps, on SIGTERM and at the end: atomic checkpoint.
 
 Versions: the learner's version is its optimizer step count (0 = the initial weights, which a
@@ -53,7 +58,6 @@ from typing import Any
 import torch
 
 from agentrl.common.config import ConfigError, build, read_toml
-from agentrl.common.inference import VLLMClient
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import GroupReceiver, VersionPublisher
 from agentrl.learner.checkpoint import save_checkpoint
@@ -65,6 +69,7 @@ from agentrl.learner.metrics import MetricsWriter
 from agentrl.learner.prepare import Batch, prepare_batch
 from agentrl.learner.publish import WeightPublisher
 from agentrl.learner.ranks import Leader, Solo, follow
+from agentrl.learner.rejected import RejectedStore
 from agentrl.learner.rewards import RewardWeights, reward_metrics
 
 
@@ -95,6 +100,8 @@ class Learner:
         self._stop = asyncio.Event()
         self.step = 0
         self._unreported_rejected: list[str] = []
+        self.num_skipped_steps = 0
+        """Updates skipped for a non-finite gradient norm (trainer.py), since this process started."""
 
     def start_training(self) -> Intake:
         """Build the trainer and restore it; returns the intake (with the restored ledger) once a
@@ -102,8 +109,11 @@ class Learner:
         self.ranks.build()
         restored = self.ranks.restore(self.out / "checkpoints")
         self.step = restored.step
-        spool = Spool(self.out / "spool")
-        self.intake = Intake(GroupReceiver(self.config.group_endpoint), spool, restored.ledger or Ledger())
+        cfg = self.config
+        receiver = GroupReceiver(cfg.group_endpoint, max_frame_bytes=cfg.max_group_frame_bytes,
+                                 vocab_size=self.ranks.vocab_size)
+        self.intake = Intake(receiver, Spool(self.out / "spool"), restored.ledger or Ledger(),
+                             RejectedStore(self.out / "rejected", max_bytes=cfg.max_rejected_bytes))
         if restored.how != "fresh":
             ledger = self.intake.ledger
             print(f"learner: {restored.how} at step {self.step} on {self.ranks.world} rank(s) "
@@ -132,8 +142,10 @@ class Learner:
         record: dict[str, Any] = {"version": self.step + 1, "time/wait_s": wait_s, **batch.report,
                                   **reward_metrics(groups, weights)}
         rejected = dict(batch.rejected)
+        stats = None
         if batch.samples:
             stats, num_micro_batches = await asyncio.to_thread(self.ranks.step, batch.samples, weights)
+        if stats is not None and not stats.skipped:
             # From the samples rather than the stats: under torchrun those count padding rows too.
             record.update({
                 "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
@@ -145,13 +157,21 @@ class Learner:
             self.step += 1
             self.intake.settle({gid: self.step for gid in batch.kept_group_ids}, rejected)
         else:
-            rejected.update({gid: "nothing_to_train" for gid in batch.kept_group_ids})
+            why = "nothing_to_train" if stats is None else "nonfinite_gradient"
+            rejected.update({gid: why for gid in batch.kept_group_ids})
             self.intake.settle({}, rejected)
         self._unreported_rejected.extend(sorted(rejected))
-        if not batch.samples:
-            # Nothing survived filtering: the groups are consumed (rejected) but no update happens and the
-            # step counter stays, so a version keeps meaning "optimizer steps applied". Reported next step.
+        if stats is None or stats.skipped:
+            # Nothing survived filtering, or the gradient was not finite (the trainer applied nothing): the
+            # groups are consumed (rejected) but no update happens and the step counter stays, so a version
+            # keeps meaning "optimizer steps applied". Reported with the next step's line.
+            if stats is not None:
+                self.num_skipped_steps += 1
+                print(f"learner: update {self.step + 1} skipped: gradient norm {stats.grad_norm}; its "
+                      f"{len(batch.kept_group_ids)} groups are recorded as 'nonfinite_gradient'", file=sys.stderr, flush=True)
             return
+        record["steps/skipped_nonfinite_grad"] = self.num_skipped_steps
+        record["groups/refused"] = self.intake.receiver.num_malformed + self.intake.num_replay_rejected
         record["group_ids"] = batch.kept_group_ids
         record["rejected_group_ids"], self._unreported_rejected = self._unreported_rejected, []
         if cfg.publish_every and self.step % cfg.publish_every == 0:
@@ -163,6 +183,9 @@ class Learner:
                 last = self.publisher.reports[-1]
                 record["publish/last_total_s"] = last.total_s
                 record["publish/last_version"] = last.version
+            record["publish/servers_down"] = len(self.publisher.down)
+            record["publish/failures"] = sum(self.publisher.num_push_failures.values())
+            record["publish/recoveries"] = self.publisher.num_recoveries
         served = self.publisher.served_version if self.publisher else 0
         if self.version_pub is not None:
             await self.version_pub.publish(self.step, served)
@@ -173,15 +196,34 @@ class Learner:
             record["time/checkpoint_s"] = time.perf_counter() - t1
         self.metrics.write(self.step, record)
 
-    async def _served_version(self) -> int:
-        """The oldest version the servers serve now: after a restart or an init from another
-        learner's checkpoint the servers are not at version 0, and the orchestrator's staleness
-        gate must see what they really serve."""
-        versions = []
-        for url in self.config.server_urls:
-            async with VLLMClient(url) as client:
-                versions.append(await client.weight_version())
-        return min(versions)
+    async def _start_publishing(self) -> int:
+        """Ask the servers what they serve (concurrently; one that does not answer is marked down,
+        not fatal) and, unless every server serves this lineage's version, push ours: after a
+        restart or an init from another learner's checkpoint the servers are not at version 0, and
+        the orchestrator's staleness gate must see what they really serve. A server that is down
+        gets these weights when it answers again (`WeightPublisher`). Returns the served version."""
+        publisher = self.publisher
+        publisher.served_version = self.step
+        await self.ranks.keepalive(publisher.probe())
+        if publisher.down or any(v != self.step for v in publisher.versions.values()):
+            # The servers hold weights this lineage does not own: pushed after the checkpoint we
+            # resumed from (lost with a kill -9), or the weights before an init from SFT. Serve ours.
+            # (The snapshot is a collective under torchrun: never inside keepalive, whose heartbeats are too.)
+            snapshot = await asyncio.to_thread(self.ranks.snapshot)
+            await publisher.publish(self.step, snapshot)
+            await self.ranks.keepalive(publisher.wait())
+        if publisher.down:
+            print(f"learner: servers down at start: {sorted(publisher.down)}; they are pushed version "
+                  f"{self.step} when they answer", file=sys.stderr, flush=True)
+        return publisher.served_version
+
+    async def _query_served_version(self) -> int:
+        """Without pushes (publish_every = 0): the oldest version among the servers that answer."""
+        probe = WeightPublisher(self.config.server_urls)
+        probe.served_version = self.step
+        await self.ranks.keepalive(probe.probe())
+        await probe.close()
+        return probe.served_version
 
     # ---- the loop ------------------------------------------------------------------------------
     async def run(self) -> int:
@@ -195,15 +237,10 @@ class Learner:
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
         await intake.receiver.start()
-        served = await self.ranks.keepalive(self._served_version()) if cfg.server_urls else 0
         if self.publisher is not None:
-            self.publisher.served_version = served
-            if served != self.step:
-                # The servers hold weights this lineage does not own: pushed after the checkpoint we
-                # resumed from (lost with a kill -9), or the weights before an init from SFT. Serve ours.
-                await self.publisher.publish(self.step, await asyncio.to_thread(self.ranks.snapshot))
-                await self.ranks.keepalive(self.publisher.wait())
-                served = self.step
+            served = await self._start_publishing()
+        else:
+            served = await self._query_served_version() if cfg.server_urls else 0
         if self.version_pub is not None:
             await self.version_pub.start()
             await self.version_pub.publish(self.step, served)

@@ -22,6 +22,11 @@ trunk: one forward serves actor and critic, the critic costs H extra parameters)
 computed per sequence inside the step from those values (detached), then the value loss
 0.5 * (V - returns)^2 (token mean, weight `vf_coef`) is added.
 
+Non-finite gradients: when the global gradient norm of a step is inf or NaN (an overflow in the
+loss, a poisoned log-prob that got through), the step is skipped: the gradients are zeroed, neither
+the optimizer nor the LR schedule moves, and `StepStats.skipped` says so (`Trainer.num_skipped_steps`
+counts them). The norm is the global one under torch.distributed, so every rank skips together.
+
 Trainable parameters (`train_layers`): "all", or the top k decoder layers plus the final norm
 (and the LM head, which is tied to the input embedding in SmolLM2: `train_embeddings` decides
 whether that shared matrix trains; freezing it saves 28M of 135M parameters' optimizer state).
@@ -184,6 +189,8 @@ class StepStats:
     lr: float
     compute_s: float
     kernel_stats: dict[str, float]
+    skipped: bool = False
+    """The gradient norm was not finite: nothing was applied (module docstring)."""
 
 
 class Trainer:
@@ -211,6 +218,8 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self._loss = _loss_fn(config.kernels)
+        self.num_skipped_steps = 0
+        """Steps skipped for a non-finite gradient norm."""
 
     def _forward(self, mb: MicroBatch, with_entropy: bool, policy: PackedPolicy | None = None):
         """`policy` (default: the trained one; the KL reference passes itself) on micro-batch `mb`."""
@@ -298,7 +307,7 @@ class Trainer:
             delta_N = logprobs_N.detach() - mb.behavior_logprobs_N
             kl_behavior = float((torch.expm1(delta_N) - delta_N).mean()) if mb.num_action_tokens else 0.0
             stats_sum["kl_behavior_proximal"] = stats_sum.get("kl_behavior_proximal", 0.0) + kl_behavior * token_share
-        grad_norm = self._clip_and_step()
+        grad_norm, stepped = self._clip_and_step()
         loss_sum, *stat_values = _global_sum(loss_sum, *stats_sum.values())
         return StepStats(
             loss=loss_sum,
@@ -309,6 +318,7 @@ class Trainer:
             lr=self.optimizer.param_groups[0]["lr"],
             compute_s=time.perf_counter() - t0,
             kernel_stats=dict(zip(stats_sum, stat_values, strict=True)),
+            skipped=not stepped,
         )
 
     @on_device
@@ -331,7 +341,7 @@ class Trainer:
             (nll * world).backward()
             nll_sum += float(nll.detach())
             entropy_sum += float(entropy_N.detach().sum())
-        grad_norm = self._clip_and_step()
+        grad_norm, stepped = self._clip_and_step()
         nll_sum, entropy_sum, num_tokens, num_seqs = _global_sum(
             nll_sum, entropy_sum, sum(mb.num_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches))
         return StepStats(
@@ -343,16 +353,19 @@ class Trainer:
             lr=self.optimizer.param_groups[0]["lr"],
             compute_s=time.perf_counter() - t0,
             kernel_stats={"entropy": entropy_sum / total_tokens, "nll": nll_sum},
+            skipped=not stepped,
         )
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """(global gradient norm, whether the step was applied): skipped when the norm is not finite."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         clip = self.config.optimizer.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"gradient norm is {grad_norm}; the step was not applied")
+            self.num_skipped_steps += 1
+            return grad_norm, False
         self.optimizer.step()
         self.scheduler.step()
-        return grad_norm
+        return grad_norm, True

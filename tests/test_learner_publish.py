@@ -1,9 +1,17 @@
-"""WeightPublisher: how often a push makes the servers drop their KV (kv_refresh_every)."""
+"""WeightPublisher: how often a push makes the servers drop their KV (kv_refresh_every); per-server push
+isolation (a down server is marked down, the others get the weights, it is re-pushed when it answers)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import pytest
 import torch
+from aiohttp import web
 
 from agentrl.common import weights
 from agentrl.learner.publish import WeightPublisher
@@ -30,3 +38,158 @@ async def test_every_kth_push_recomputes_the_servers_kv(monkeypatch, tmp_path):
     assert calls[-1] == ("http://a", 1, True)  # the default recomputes on every push
     with pytest.raises(ValueError, match="kv_refresh_every"):
         WeightPublisher(["http://a"], kv_refresh_every=0)
+
+
+# ---- per-server push isolation -------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _ServerState:
+    version: str = "default"
+    staged: str | None = None
+    pushes: list[str] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def weight_server(port: int | None = None):
+    """A real HTTP server speaking the endpoints a push uses (those of a vLLM server started with
+    agentrl's worker extension: collective_rpc stage/apply, pause, update_weight_version, resume,
+    weight_info). It checks that the staged file exists, as the worker does."""
+    state = _ServerState()
+
+    async def rpc(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["method"] == "agentrl_stage_weights":
+            if not Path(body["args"][0]).is_file():
+                return web.json_response({"results": [{"ok": False, "error": f"no file {body['args'][0]}"}]})
+            state.staged = body["args"][0]
+            return web.json_response({"results": [{"ok": True, "stage_s": 0.0}]})
+        return web.json_response({"results": [{"ok": True, "reload_s": 0.0}]})
+
+    async def set_version(request: web.Request) -> web.Response:
+        state.version = (await request.json())["new_version"]
+        state.pushes.append(state.version)
+        return web.json_response({})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": state.version})
+
+    app = web.Application()
+    app.router.add_post("/collective_rpc", rpc)
+    app.router.add_post("/update_weight_version", set_version)
+    app.router.add_post("/pause", ok)
+    app.router.add_post("/resume", ok)
+    app.router.add_get("/weight_info", info)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = port or _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        await runner.cleanup()
+
+
+async def _until(pred, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_a_down_server_does_not_stop_the_others_and_gets_the_latest_weights_when_it_answers(monkeypatch, tmp_path):
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    dead_port = _free_port()  # nothing listens here yet
+    dead_url = f"http://127.0.0.1:{dead_port}"
+    async with weight_server() as (up_url, up):
+        publisher = WeightPublisher([up_url, dead_url], probe_timeout_s=2.0, probe_interval_s=0.2)
+        await publisher.probe()  # at start: the dead server is marked down, not fatal
+        assert publisher.versions == {up_url: 0} and set(publisher.down) == {dead_url}
+        for version in (1, 2):
+            await publisher.publish(version, {"w": torch.full((2,), float(version))})
+            report = await publisher.wait()
+            assert set(report.per_server) == {up_url} and set(report.failed) == {dead_url}
+            assert up.version == str(version) and publisher.served_version == version
+        assert publisher.num_push_failures[dead_url] >= 1 and publisher.num_push_failures[up_url] == 0
+        [kept] = tmp_path.glob("agentrl-weights-*")  # only the latest weights wait for the down server
+        async with weight_server(dead_port) as (_, revived):
+            await _until(lambda: dead_url not in publisher.down)
+            assert revived.pushes == ["2"] and publisher.num_recoveries == 1
+            assert publisher.versions == {up_url: 2, dead_url: 2} and publisher.served_version == 2
+            assert not kept.exists()  # nobody needs it any more
+            await publisher.publish(3, {"w": torch.zeros(2)})
+            report = await publisher.wait()
+            assert set(report.per_server) == {up_url, dead_url} and not report.failed
+            assert up.pushes == ["1", "2", "3"] and revived.pushes == ["2", "3"]
+        # It goes away again mid-run: the push to it fails, the other still takes version 4.
+        await publisher.publish(4, {"w": torch.zeros(2)})
+        report = await publisher.wait()
+        assert set(report.per_server) == {up_url} and dead_url in publisher.down and up.version == "4"
+        assert publisher.versions == {up_url: 4} and publisher.served_version == 4
+        await publisher.close()
+        assert not list(tmp_path.glob("agentrl-weights-*"))
+
+
+async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_the_rest(monkeypatch, tmp_path):
+    """After a restart the learner asks every server what it serves; one that does not answer no
+    longer stops it: the others get this lineage's weights, the down one gets them when it answers."""
+    from support.synthetic import tiny_llama
+
+    from agentrl.learner.config import LearnerConfig
+    from agentrl.learner.service import Learner
+    from agentrl.learner.trainer import TrainerConfig
+
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    model_dir = tmp_path / "model"
+    tiny_llama(128, seed=0).save_pretrained(model_dir)
+    dead_url = f"http://127.0.0.1:{_free_port()}"
+    async with weight_server() as (up_url, up):
+        up.version = "7"  # weights this lineage does not own (pushed after its checkpoint)
+        config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), server_urls=[up_url, dead_url],
+                               version_endpoint=None, tensorboard=False, progress_bar=False,
+                               trainer=TrainerConfig(precision="fp32"))
+        learner = Learner(config)
+        learner.start_training()
+        learner.publisher = WeightPublisher(config.server_urls, probe_timeout_s=2.0, probe_interval_s=60.0)
+        served = await learner._start_publishing()
+        assert served == 0 and up.pushes == ["0"] and set(learner.publisher.down) == {dead_url}
+        await learner.publisher.close()
+
+
+@pytest.mark.slow
+async def test_the_real_vllm_server_takes_the_push_while_another_server_is_unreachable(vllm_server, model_dir):
+    """The same isolation against the session's real vLLM server: it takes the push (its own weights,
+    relabelled, then the label put back) while the second server has nothing listening."""
+    from safetensors.torch import load_file
+
+    from agentrl.common.inference import VLLMClient
+
+    original = load_file(str(model_dir / "model.safetensors"))
+    real = vllm_server.base_url
+    dead_url = f"http://127.0.0.1:{_free_port()}"
+    async with VLLMClient(real) as client:
+        version0 = await client.weight_version()
+    publisher = WeightPublisher([real, dead_url], probe_timeout_s=2.0, probe_interval_s=3600.0)
+    try:
+        await publisher.probe()
+        assert publisher.versions == {real: version0} and set(publisher.down) == {dead_url}
+        await publisher.publish(version0 + 1, original)
+        report = await publisher.wait()
+        assert set(report.per_server) == {real} and set(report.failed) == {dead_url}
+        async with VLLMClient(real) as client:
+            assert await client.weight_version() == version0 + 1
+        assert publisher.served_version == version0 + 1
+    finally:
+        await publisher.publish(version0, original)  # the label back, for the tests after this one
+        await publisher.wait()
+        await publisher.close()
+    async with VLLMClient(real) as client:
+        assert await client.weight_version() == version0

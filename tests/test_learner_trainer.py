@@ -265,3 +265,25 @@ def test_top_k_layers_freeze_the_rest():
     assert torch.equal(before["model.layers.0.mlp.up_proj.weight"], after["model.layers.0.mlp.up_proj.weight"])
     assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
     assert not torch.equal(before["model.layers.1.mlp.up_proj.weight"], after["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_nonfinite_gradient_skips_the_step_and_counts_it():
+    """An infinite advantage makes the gradient norm non-finite: nothing is applied (weights, AdamW
+    state and LR schedule untouched, gradients zeroed), the stats say so, and the next finite step
+    trains as usual."""
+    group = make_group("g", [1.0, 0.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
+    advs = compute_advantages([group], RewardWeights(), AdvantageConfig("grpo"))[0]
+    poisoned = [np.where(t.is_action, np.inf, 0.0).astype(np.float32) for t in group.trajectories]
+    config = TrainerConfig(precision="fp32", kernels="reference", optimizer=OptimizerConfig(lr=1e-2))
+    model, trainer, _, [bad_mb] = _train(config, 0, _samples([group], [poisoned]))
+    [good_mb] = build_micro_batches(_samples([group], [advs]), config.max_row_tokens)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    skipped = trainer.rl_step([bad_mb])
+    assert skipped.skipped and not np.isfinite(skipped.grad_norm) and trainer.num_skipped_steps == 1
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and p.grad is None, name
+    assert not trainer.optimizer.state and trainer.scheduler.last_epoch == 0
+    applied = trainer.rl_step([good_mb])
+    assert not applied.skipped and np.isfinite(applied.grad_norm) and trainer.num_skipped_steps == 1
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert trainer.scheduler.last_epoch == 1

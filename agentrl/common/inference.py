@@ -110,13 +110,22 @@ class Generation:
     """Detokenized output, only when requested (`return_text=True`); the ids remain the truth."""
 
 
+MAX_VERSION = 2**31 - 1
+"""The largest policy version (the trajectory stores versions as int32)."""
+
+
 def parse_version(label: str) -> int:
     if label == DEFAULT_VERSION_LABEL:
         return 0
     try:
-        return int(label)
+        version = int(label)
     except ValueError:
         raise InferenceServerError(f"server reports weight version {label!r}, not an agentrl version (an int)") from None
+    if not 0 <= version <= MAX_VERSION:
+        # Versions travel as int32 in the trajectory (trajectory.ARRAY_FIELDS); a label past that is no
+        # learner step, and refusing it here fails this request instead of the episode's int32 cast.
+        raise InferenceServerError(f"server reports weight version {label!r}, outside agentrl's [0, {MAX_VERSION}]")
+    return version
 
 
 class _HTTPConnection(asyncio.Protocol):

@@ -23,14 +23,26 @@ Wire format (`encode_group` / `decode_group`): frame 0 is a msgpack header with 
 and, per trajectory, the dtype/length of its arrays; frames 1.. are the raw little-endian array
 buffers (4 per trajectory, in the order of `ARRAY_FIELDS`), so arrays cross the socket without a
 per-element encode.
+
+What a receiver accepts (`decode_group`, which raises `GroupRejected` naming the field): the header
+decodes into the typed structs below (a str group id, float rewards, int boundaries: msgpack's own
+types, no coercion beyond int -> float); the frame count and every array's byte length fit the
+header; every float on the wire (rewards, log-probs, metrics, timings) is finite; `is_action` is 0
+or 1; token ids lie in [0, vocab_size) when the receiver knows its model's vocabulary; policy
+versions are -1 (no policy: prompt, observation, gold SFT action) or >= 0; and `Trajectory.validate`
+holds. The learner checks this before it spools and acknowledges a group, so a group that would
+fail later (a NaN reward makes NaN advantages; an id past the vocabulary fails the embedding
+lookup) is refused once, with a reason, instead of being replayed into every restart.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import msgpack
+import msgspec
 import numpy as np
 
 WIRE_VERSION = 1
@@ -43,6 +55,30 @@ ARRAY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
 )
 
 Status = Literal["ok", "truncated", "failed"]
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+class GroupRejected(ValueError):
+    """A trajectory group message that the learner must not train on; says which group (when the
+    header names one) and why."""
+
+    def __init__(self, reason: str, group_id: str | None = None):
+        super().__init__(f"trajectory group {group_id!r}: {reason}" if group_id is not None else reason)
+        self.reason = reason
+        self.group_id = group_id
+
+
+def int32_array(values, field: str) -> np.ndarray:
+    """`values` as an int32 array, or a ValueError naming `field` and the first value outside int32
+    (numpy's own cast either wraps silently or raises an OverflowError that names nothing)."""
+    arr = np.asarray(values)
+    if arr.size and arr.dtype.kind not in "iub":
+        raise ValueError(f"{field}: expected integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype.kind != "b" and arr.dtype.itemsize >= 4 and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        bad = arr[(arr < INT32_MIN) | (arr > INT32_MAX)][0]
+        raise ValueError(f"{field}: value {int(bad)} is outside the int32 range [{INT32_MIN}, {INT32_MAX}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 @dataclass
@@ -140,7 +176,8 @@ class TrajectoryGroup:
 
 
 def encode_group(group: TrajectoryGroup) -> list[bytes]:
-    """Frames for one group: [msgpack header, then 4 raw array buffers per trajectory]."""
+    """Frames for one group: [msgpack header, then 4 raw array buffers per trajectory]. Raises
+    ValueError naming the field when an integer array does not fit the wire's int32."""
     header_trajs = []
     buffers: list[bytes] = []
     for traj in group.trajectories:
@@ -148,7 +185,10 @@ def encode_group(group: TrajectoryGroup) -> list[bytes]:
         fields["turns"] = [asdict(t) for t in traj.turns]
         header_trajs.append(fields)
         for name, dtype in ARRAY_FIELDS:
-            buffers.append(np.ascontiguousarray(getattr(traj, name), dtype=dtype).tobytes())
+            arr = getattr(traj, name)
+            if dtype == np.dtype("<i4"):
+                arr = int32_array(arr, f"trajectory {group.group_id}/{traj.sample_index}: {name}")
+            buffers.append(np.ascontiguousarray(arr, dtype=dtype).tobytes())
     header = {
         "wire_version": WIRE_VERSION,
         "group_id": group.group_id,
@@ -158,27 +198,108 @@ def encode_group(group: TrajectoryGroup) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True), *buffers]
 
 
-def decode_group(frames: list[bytes]) -> TrajectoryGroup:
-    """Inverse of `encode_group`. Raises ValueError on a malformed or foreign message."""
+# The header as the receiver types it (msgspec: int is accepted for float, nothing else is coerced).
+class _TurnWire(msgspec.Struct, forbid_unknown_fields=True):
+    action_start: int
+    action_end: int
+    obs_end: int
+    process_rewards: dict[str, float] = {}
+    num_tool_calls: int = 0
+
+
+class _TrajectoryWire(msgspec.Struct, forbid_unknown_fields=True):
+    task_id: str
+    group_id: str
+    sample_index: int
+    prompt_len: int
+    turns: list[_TurnWire]
+    task_reward: float
+    status: Status = "ok"
+    error: str | None = None
+    metrics: dict[str, float] = {}
+    timing: dict[str, float] = {}
+
+
+class _GroupWire(msgspec.Struct, forbid_unknown_fields=True):
+    wire_version: int
+    group_id: str
+    task_id: str
+    trajectories: list[_TrajectoryWire]
+
+
+_HEADER = msgspec.msgpack.Decoder(_GroupWire)
+
+
+def header_group_id(frame: bytes) -> str | None:
+    """The group id a header frame names, if it decodes to a map with a str `group_id` (for
+    answering a sender about a message that is otherwise unreadable)."""
+    try:
+        header = msgspec.msgpack.decode(frame)
+    except msgspec.MsgspecError:
+        return None
+    group_id = header.get("group_id") if isinstance(header, dict) else None
+    return group_id if isinstance(group_id, str) else None
+
+
+def decode_group(frames: list[bytes], *, vocab_size: int | None = None) -> TrajectoryGroup:
+    """Inverse of `encode_group`, with the checks of the module docstring (`vocab_size`: the
+    model's number of token ids; None skips the upper bound). Raises `GroupRejected`."""
     if not frames:
-        raise ValueError("empty trajectory group message")
-    header = msgpack.unpackb(frames[0], raw=False)
-    if not isinstance(header, dict) or header.get("wire_version") != WIRE_VERSION:
-        raise ValueError(f"unsupported trajectory wire version: {header.get('wire_version') if isinstance(header, dict) else header!r}")
-    trajs_h = header["trajectories"]
-    expected = 1 + len(ARRAY_FIELDS) * len(trajs_h)
+        raise GroupRejected("empty trajectory group message")
+    try:
+        header = _HEADER.decode(frames[0])
+    except msgspec.MsgspecError as err:
+        raise GroupRejected(f"header: {err}", header_group_id(frames[0])) from None
+    gid = header.group_id
+    if header.wire_version != WIRE_VERSION:
+        raise GroupRejected(f"unsupported wire version {header.wire_version} (this side speaks {WIRE_VERSION})", gid)
+    expected = 1 + len(ARRAY_FIELDS) * len(header.trajectories)
     if len(frames) != expected:
-        raise ValueError(f"trajectory group {header['group_id']}: {len(frames)} frames, expected {expected}")
+        raise GroupRejected(f"{len(frames)} frames, expected {expected} (1 header + 4 per trajectory)", gid)
     trajectories = []
     pos = 1
-    for fields in trajs_h:
+    for fields in header.trajectories:
+        where = f"trajectory {fields.sample_index}"
         arrays = {}
         for name, dtype in ARRAY_FIELDS:
+            if len(frames[pos]) % dtype.itemsize:
+                raise GroupRejected(f"{where}: {name} frame of {len(frames[pos])} bytes is not a whole number of "
+                                    f"{dtype} values", gid)
             arrays[name] = np.frombuffer(frames[pos], dtype=dtype).copy()
             pos += 1
-        fields = dict(fields)
-        fields["turns"] = [Turn(**t) for t in fields["turns"]]
-        traj = Trajectory(**fields, **arrays)
-        traj.validate()
+        turns = [Turn(t.action_start, t.action_end, t.obs_end, dict(t.process_rewards), t.num_tool_calls)
+                 for t in fields.turns]
+        traj = Trajectory(task_id=fields.task_id, group_id=fields.group_id, sample_index=fields.sample_index,
+                          prompt_len=fields.prompt_len, turns=turns, task_reward=fields.task_reward,
+                          status=fields.status, error=fields.error, metrics=dict(fields.metrics),
+                          timing=dict(fields.timing), **arrays)
+        try:
+            traj.validate()
+            check_trajectory(traj, vocab_size)
+        except ValueError as err:
+            raise GroupRejected(f"{where}: {err}", gid) from None
         trajectories.append(traj)
-    return TrajectoryGroup(group_id=header["group_id"], task_id=header["task_id"], trajectories=trajectories)
+    return TrajectoryGroup(group_id=gid, task_id=header.task_id, trajectories=trajectories)
+
+
+def check_trajectory(traj: Trajectory, vocab_size: int | None) -> None:
+    """The receiver's checks beyond `Trajectory.validate` (module docstring); ValueError naming the field."""
+    for name, value in [("task_reward", traj.task_reward),
+                        *((f"turns[{i}].process_rewards[{k!r}]", v) for i, t in enumerate(traj.turns)
+                          for k, v in t.process_rewards.items()),
+                        *((f"metrics[{k!r}]", v) for k, v in traj.metrics.items()),
+                        *((f"timing[{k!r}]", v) for k, v in traj.timing.items())]:
+        if not math.isfinite(value):
+            raise ValueError(f"{name} is {value}, not a finite number")
+    if not np.isfinite(traj.behavior_logprobs).all():
+        bad = int(np.flatnonzero(~np.isfinite(traj.behavior_logprobs))[0])
+        raise ValueError(f"behavior_logprobs[{bad}] is {traj.behavior_logprobs[bad]}, not a finite number")
+    if traj.is_action.size and traj.is_action.max() > 1:
+        raise ValueError(f"is_action holds {int(traj.is_action.max())}; only 0 and 1 are allowed")
+    if traj.token_ids.size:
+        low, high = int(traj.token_ids.min()), int(traj.token_ids.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad = low if low < 0 else high
+            raise ValueError(f"token_ids holds {bad}, outside the model's vocabulary [0, {vocab_size if vocab_size is not None else 'V'})")
+    if traj.policy_versions.size and int(traj.policy_versions.min()) < -1:
+        raise ValueError(f"policy_versions holds {int(traj.policy_versions.min())}; versions are -1 (no policy) or >= 0")

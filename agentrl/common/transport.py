@@ -6,7 +6,9 @@ Sockets (loopback by default):
     orchestrator VersionSubscriber (SUB, connects) <── {"version", "served_version"} ── learner VersionPublisher (PUB, binds)
 
 Messages. Group: [b"group", *trajectory.encode_group(group)] (msgpack header + raw numpy frames).
-Ack: [b"ack", group_id utf-8]. Version: one msgpack frame {"version": int, "served_version": int}.
+Ack: [b"ack", group_id utf-8]. Nack: [b"nack", group_id utf-8 (empty when the message named no
+readable id), reason utf-8 (at most 1 KiB)]. Version: one msgpack frame {"version": int,
+"served_version": int}.
 
 Delivery invariant: every group handed to `GroupSender.send` reaches the learner's ledger at least
 once, and the learner counts it once:
@@ -16,6 +18,24 @@ once, and the learner counts it once:
   in the dead connection; as a last resort, a group unacked for `resend_after_s` is resent too;
 - the learner acks a group only once it is in its ledger, and acks duplicates (same group_id)
   again so the sender stops resending, while skipping them. Resends are therefore harmless.
+
+Poison: a group the receiver refuses (`trajectory.decode_group`: wrong types, NaN rewards, token ids
+past the vocabulary, ...) is never acked and never reaches the ledger; it is nacked with the
+reason. The sender logs the nack, counts it (`num_rejected`, reasons in `rejected`) and forgets the
+group: it is dropped, not retried, since resending the same bytes can only be refused again (and an
+unanswered group would be resent forever, holding one of the `max_unacked` slots each time). The
+sender also drops, the same way, a group it cannot send: a non-str group id, an array that does not
+fit the wire's int32, or a frame over `max_frame_bytes` (the receiver's MAXMSGSIZE: ZeroMQ would
+cut the connection on it, and the reconnect would resend it into the same cut forever).
+
+Sizes: the learner's sockets (the ones that bind) set ZeroMQ's MAXMSGSIZE, a per-frame bound, so a
+larger inbound frame is never buffered: ZeroMQ drops that peer's connection instead, and the peer
+reconnects. The receiver's bound is its `max_frame_bytes` (the learner's `max_group_frame_bytes`);
+the version publisher reads only subscriptions (`CONTROL_MAX_FRAME_BYTES`). The connecting sockets
+(sender, subscriber) set none: libzmq ends a connecting session for good on that protocol error (no
+reconnect; seen with a SUB), so a bound there would turn one oversized answer from the learner into
+a sender or subscriber cut off for the rest of the run. A nack to a sender that does not read is
+dropped, not waited for.
 
 Backpressure: `send` blocks while `max_unacked` groups await an ack, so a learner that falls
 behind stops the orchestrator (which then stops starting episodes) instead of growing memory.
@@ -44,11 +64,20 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from agentrl.common.trajectory import TrajectoryGroup, decode_group, encode_group
+from agentrl.common.trajectory import GroupRejected, TrajectoryGroup, decode_group, encode_group
 
 log = logging.getLogger(__name__)
 
-GROUP, ACK = b"group", b"ack"
+GROUP, ACK, NACK = b"group", b"ack", b"nack"
+
+DEFAULT_MAX_GROUP_FRAME_BYTES = 64 << 20
+"""Largest frame of a group message (the header or one array) either end accepts by default.
+The largest legitimate frame is a long trajectory's token_ids: 4 bytes a token, so a 128k-token
+context is 512 KiB and 64 MiB holds 16M tokens; a header is about 100 bytes per turn (a 64-sample
+group of 200 turns: ~1.3 MiB)."""
+CONTROL_MAX_FRAME_BYTES = 64 << 10
+"""MAXMSGSIZE of the version publisher, which reads only subscriptions (a few bytes each)."""
+MAX_REASON_BYTES = 1024
 
 
 class _Owned:
@@ -80,7 +109,8 @@ class _Owned:
 
 
 class GroupSender(_Owned):
-    def __init__(self, endpoint: str, *, max_unacked: int = 32, resend_after_s: float = 60.0):
+    def __init__(self, endpoint: str, *, max_unacked: int = 32, resend_after_s: float = 60.0,
+                 max_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES, max_reasons_kept: int = 1000):
         super().__init__()
         if max_unacked < 1:
             raise ValueError("GroupSender.max_unacked must be >= 1")
@@ -88,12 +118,22 @@ class GroupSender(_Owned):
         self.max_unacked = max_unacked
         self.resend_after_s = resend_after_s
         """A group unacked this long is resent (the learner dedups), seconds."""
+        self.max_frame_bytes = max_frame_bytes
+        """Largest frame sent, in bytes: the receiver's MAXMSGSIZE (a larger group is dropped here)."""
+        self.max_reasons_kept = max_reasons_kept
+        """How many of the latest rejections `rejected` keeps (all are counted)."""
         self._unacked: OrderedDict[str, tuple[list[bytes], float]] = OrderedDict()
         self._space = asyncio.Condition()
         self._sock: zmq.asyncio.Socket | None = None
         self.num_sent = 0
         self.num_resent = 0
         self.num_acked = 0
+        self.num_rejected = 0
+        """Groups dropped: nacked by the receiver, or refused here before sending."""
+        self.num_unmatched_nacks = 0
+        """Nacks for no group awaiting an answer (a resent copy nacked twice, or a foreign message)."""
+        self.rejected: OrderedDict[str, str] = OrderedDict()
+        """group id -> why it was dropped, for the latest `max_reasons_kept` rejections."""
 
     @property
     def num_unacked(self) -> int:
@@ -118,14 +158,41 @@ class GroupSender(_Owned):
         self._sock = None
 
     async def send(self, group: TrajectoryGroup) -> None:
+        """Send `group` (blocks while `max_unacked` groups wait). A group that cannot go on the wire
+        is dropped, logged and counted like a nacked one, rather than raised into the producer."""
         if self._sock is None:
             raise RuntimeError("GroupSender.send before start()")
+        frames = self._frames(group)
+        if frames is None:
+            return
         async with self._space:
             await self._space.wait_for(lambda: len(self._unacked) < self.max_unacked)
-            frames = [GROUP, *encode_group(group)]
             self._unacked[group.group_id] = (frames, time.monotonic())
         await self._sock.send_multipart(frames, copy=False)
         self.num_sent += 1
+
+    def _frames(self, group: TrajectoryGroup) -> list[bytes] | None:
+        if not isinstance(group.group_id, str) or not group.group_id:
+            self._reject(repr(group.group_id), f"refused before sending: group_id {group.group_id!r} is not a non-empty str")
+            return None
+        try:
+            frames = [GROUP, *encode_group(group)]
+        except ValueError as err:
+            self._reject(group.group_id, f"refused before sending: {err}")
+            return None
+        largest = max(len(f) for f in frames)
+        if largest > self.max_frame_bytes:
+            self._reject(group.group_id, f"refused before sending: a {largest}-byte frame is over the receiver's "
+                                         f"max_frame_bytes={self.max_frame_bytes}")
+            return None
+        return frames
+
+    def _reject(self, group_id: str, reason: str) -> None:
+        self.num_rejected += 1
+        self.rejected[group_id] = reason
+        while len(self.rejected) > self.max_reasons_kept:
+            self.rejected.popitem(last=False)
+        log.error("GroupSender: group %s dropped: %s", group_id, reason)
 
     async def wait_all_acked(self, timeout_s: float) -> bool:
         """True once nothing is unacked; False if `timeout_s` passed first."""
@@ -139,13 +206,23 @@ class GroupSender(_Owned):
     async def _read_acks(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
-            if len(frames) != 2 or frames[0] != ACK:
-                log.error("GroupSender: ignoring a message that is not an ack (%d frames)", len(frames))
+            is_ack, is_nack = len(frames) == 2 and frames[0] == ACK, len(frames) == 3 and frames[0] == NACK
+            if not (is_ack or is_nack):
+                log.error("GroupSender: ignoring a message that is neither an ack nor a nack (%d frames)", len(frames))
                 continue
+            group_id = frames[1].decode(errors="replace")
             async with self._space:
-                if self._unacked.pop(frames[1].decode(), None) is not None:
-                    self.num_acked += 1
+                answered = self._unacked.pop(group_id, None) is not None
+                if answered:
                     self._space.notify_all()
+            if is_ack:
+                self.num_acked += answered
+            elif answered:
+                self._reject(group_id, f"nacked by the receiver: {frames[2].decode(errors='replace')}")
+            else:
+                self.num_unmatched_nacks += 1
+                log.warning("GroupSender: nack for no group awaiting an answer (%r): %s", group_id,
+                            frames[2].decode(errors="replace"))
 
     async def _resend_all(self, reason: str) -> None:
         pending = list(self._unacked.items())
@@ -184,15 +261,30 @@ class ReceivedGroup:
     """ZeroMQ routing id of the sending orchestrator (where the ack goes)."""
 
 
+RejectHook = Callable[[list[bytes], str, "str | None", bytes], None]
+"""(raw frames after the routing id, reason, group id if readable, sender's routing id) -> None."""
+
+
 class GroupReceiver(_Owned):
-    def __init__(self, endpoint: str, *, max_queued_messages: int = 64):
+    def __init__(self, endpoint: str, *, max_queued_messages: int = 64,
+                 max_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES, vocab_size: int | None = None,
+                 on_reject: RejectHook | None = None):
         super().__init__()
         self.endpoint = endpoint
         self.max_queued_messages = max_queued_messages
         """ROUTER receive high-water mark, in messages; beyond it the senders' DEALERs block."""
+        self.max_frame_bytes = max_frame_bytes
+        """ZeroMQ MAXMSGSIZE, bytes: a peer sending a larger frame is disconnected before it is buffered."""
+        self.vocab_size = vocab_size
+        """Token ids must lie in [0, vocab_size) (None: not checked)."""
+        self.on_reject = on_reject
+        """Called with every refused message before it is nacked (the learner keeps them in rejected/)."""
         self._sock: zmq.asyncio.Socket | None = None
         self.num_malformed = 0
+        """Messages refused (nacked): not a group, or a group that fails `decode_group`'s checks."""
         self.num_unroutable_acks = 0
+        self.num_dropped_nacks = 0
+        """Nacks not delivered: the sender was gone or did not read its answers."""
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -200,6 +292,7 @@ class GroupReceiver(_Owned):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack to a vanished sender raises instead of vanishing
         self._sock.setsockopt(zmq.RCVHWM, self.max_queued_messages)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self._sock.bind(self.endpoint)
 
     async def close(self, timeout_s: float = 5.0) -> None:
@@ -207,22 +300,36 @@ class GroupReceiver(_Owned):
         self._sock = None
 
     async def recv(self) -> ReceivedGroup:
-        """The next well-formed group. A malformed message is logged, counted in `num_malformed`
-        and skipped (it cannot be acked by group id, and the learner must keep running)."""
+        """The next group that passes `decode_group`'s checks. Any other message is refused: logged,
+        counted in `num_malformed`, handed to `on_reject`, and nacked with the reason (never acked,
+        so it reaches no ledger); the learner keeps running."""
         if self._sock is None:
             raise RuntimeError("GroupReceiver.recv before start()")
         while True:
             frames = await self._sock.recv_multipart(copy=True)
             sender, kind, payload = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
             if kind != GROUP:
-                self.num_malformed += 1
-                log.error("GroupReceiver: message of unknown kind %r from %r", kind[:16], sender)
+                await self._refuse(sender, frames[1:], f"message of unknown kind {kind[:16]!r}", None)
                 continue
             try:
-                return ReceivedGroup(decode_group(payload), sender)
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as err:
-                self.num_malformed += 1
-                log.error("GroupReceiver: malformed group from %r: %s", sender, err)
+                return ReceivedGroup(decode_group(payload, vocab_size=self.vocab_size), sender)
+            except GroupRejected as err:
+                await self._refuse(sender, frames[1:], err.reason, err.group_id)
+
+    async def _refuse(self, sender: bytes, frames: list[bytes], reason: str, group_id: str | None) -> None:
+        self.num_malformed += 1
+        log.error("GroupReceiver: refused group %r from %r: %s", group_id, sender, reason)
+        if self.on_reject is not None:
+            self.on_reject(frames, reason, group_id, sender)
+        nack = [sender, NACK, (group_id or "").encode(), reason.encode()[:MAX_REASON_BYTES]]
+        try:
+            # Not waited for: a peer that sends junk and never reads must not stall the receiver.
+            await self._sock.send_multipart(nack, flags=zmq.NOBLOCK)
+        except zmq.error.ZMQError as err:
+            if err.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self.num_dropped_nacks += 1
+            log.warning("GroupReceiver: nack for group %r not delivered (%s)", group_id, err.strerror)
 
     async def ack(self, received: ReceivedGroup) -> None:
         try:
@@ -247,6 +354,7 @@ class VersionPublisher(_Owned):
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_FRAME_BYTES)  # inbound: subscriptions only
         self._sock.bind(self.endpoint)
         self._spawn(self._republish(), "version-republish")
 
@@ -272,6 +380,8 @@ class VersionSubscriber(_Owned):
         self.latest: tuple[int, int] | None = None
         """(learner version, served version) last heard; None until the first message."""
         self._changed = asyncio.Condition()
+        self.num_malformed = 0
+        """Version messages that did not decode (logged and skipped)."""
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -292,8 +402,16 @@ class VersionSubscriber(_Owned):
 
     async def _listen(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            msg = msgpack.unpackb(await sock.recv())
-            latest = (int(msg["version"]), int(msg["served_version"]))
+            raw = await sock.recv()
+            try:
+                msg = msgpack.unpackb(raw)
+                latest = (msg["version"], msg["served_version"])
+                if not all(type(v) is int for v in latest):
+                    raise TypeError(f"versions {latest!r} are not ints")
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as err:
+                self.num_malformed += 1
+                log.error("VersionSubscriber: skipping a malformed version message (%d bytes): %s", len(raw), err)
+                continue
             if latest != self.latest:
                 async with self._changed:
                     self.latest = latest
