@@ -286,6 +286,7 @@ class Supervisor:
             "tasks": to_dict(cfg.tasks),
             "env": to_dict(cfg.env),
             "orchestrator": to_dict(cfg.orchestrator),
+            "agent": to_dict(cfg.agent),
         }
         actor_path = self.out / "actor.toml"
         actor_path.write_text(dump_toml(actor_cfg))
