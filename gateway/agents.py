@@ -168,7 +168,7 @@ class AgentEpisodes:
         for traj in trajectories:
             traj.sample_index = sample_index
             traj.metrics.update(metrics)
-            traj.metrics["num_tool_calls"] = float(len(book.calls))
+            traj.metrics["num_tools_run"] = float(len(book.calls))  # num_tool_calls: the calls the model wrote
             traj.timing = dict(timing)
         last = trajectories[-1]
         if last.turns:

@@ -120,7 +120,7 @@ def check_scored(group, task, chat):
     assert ok.task_reward == expected == ok.metrics["em"]
     (own,) = by_member[2]
     assert own.status != "failed" and own.task_reward == 0.25 and own.metrics["agent_reward"] == 1.0
-    assert ok.metrics["num_tool_calls"] >= 1 or own.metrics["num_tool_calls"] >= 1  # tools ran through the gateway
+    assert ok.metrics["num_tools_run"] >= 1 or own.metrics["num_tools_run"] >= 1  # tools ran through the gateway
     failed = by_member[1]
     assert all(t.status == "failed" for t in failed)
     return failed[0]
@@ -131,7 +131,7 @@ def check_scored(group, task, chat):
 async def test_entry_agent_group_through_the_gateway(vllm_server, tokenizer, model_dir, search_service, world_tasks):
     from agentrl.engine.agent import AgentConfig
 
-    task = world_tasks[0]
+    task = world_tasks[1][0]
     group, recording, env = await run_agent_group(AgentConfig(entry=FLAKY + ":run"), vllm_server, tokenizer, model_dir,
                                                   search_service, task)
     check_recorded_exactly(group, recording)
@@ -145,7 +145,7 @@ async def test_entry_agent_group_through_the_gateway(vllm_server, tokenizer, mod
 async def test_command_agent_group_through_the_gateway(vllm_server, tokenizer, model_dir, search_service, world_tasks):
     from agentrl.engine.agent import AgentConfig
 
-    task = world_tasks[1]
+    task = world_tasks[1][1]
     group, recording, env = await run_agent_group(AgentConfig(command=["python", FLAKY]), vllm_server, tokenizer, model_dir,
                                                   search_service, task)
     check_recorded_exactly(group, recording)
@@ -166,7 +166,7 @@ async def test_command_agent_past_its_timeout_is_killed_and_failed(vllm_server, 
         env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig())
         async with agent_episodes(AgentConfig(command=["python", str(script)], timeout_s=3.0), env, pool, tokenizer,
                                   model_dir=str(model_dir)) as runner:
-            (traj,) = await runner(world_tasks[0], "g-timeout", 0)
+            (traj,) = await runner(world_tasks[1][0], "g-timeout", 0)
     assert traj.status == "failed" and "agent.timeout_s = 3 s" in traj.error
     pid = int(pid_file.read_text())
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
