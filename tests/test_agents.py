@@ -228,3 +228,95 @@ def test_the_example_agent_imports_only_the_openai_client():
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert imported == {"__future__", "asyncio", "json", "sys", "openai"}
     assert json.loads('"ok"') == "ok"
+
+
+# ---------------------------------------------------------------- one episode, a scripted policy (no vLLM)
+
+
+class ScriptedPool:
+    """Answers every generation with the gold answer, sampled by policy version 7."""
+
+    def __init__(self, chat, text: str):
+        self.ids = [*chat.encode(text), chat.im_end_id]
+
+    async def generate(self, prompt_ids, params):
+        from agentrl.common.inference import Generation
+
+        n = len(self.ids)
+        return Generation(list(self.ids), [-0.5] * n, "stop", [7] * n, "scripted")
+
+
+@pytest.fixture(scope="module")
+def qa_world():
+    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+
+    return synthetic_tasks(split="heldout", num=2, config=SyntheticQAConfig(num_companies=30))
+
+
+async def one_episode(entry: str, tokenizer, qa_world, answer: str | None = None):
+    from agentrl.engine.agent import AgentConfig
+    from agentrl.engine.tools import LocalSearchTool
+    from agentrl.gateway.agents import agent_episodes
+
+    world, tasks = qa_world
+    task = tasks[0]
+    env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig())
+    env.register_tool(LocalSearchTool(world.passages))
+    pool = ScriptedPool(env.chat, f"<answer>{answer if answer is not None else task.reference[0]}</answer>")
+    async with agent_episodes(AgentConfig(entry=f"tests/fixtures/agents/simple.py:{entry}"), env, pool, tokenizer) as runner:
+        trajectories = await runner(task, "g-0", 4)
+        assert len(runner.gateway.sessions) == 0
+    return trajectories, pool, env
+
+
+async def test_no_reward_returned_means_the_env_scores_the_final_text(tokenizer, qa_world):
+    (traj,), pool, env = await one_episode("search_then_answer", tokenizer, qa_world)
+    assert traj.status == "ok" and traj.sample_index == 4 and traj.group_id == "g-0"
+    assert traj.task_reward == 1.0 and traj.metrics["em"] == 1.0 and traj.metrics["agent_reward"] == 0.0
+    assert traj.metrics["num_tools_run"] == 1.0  # the search ran through the gateway, in this session
+    (turn,) = traj.turns
+    assert traj.token_ids[turn.action_start:turn.action_end].tolist() == pool.ids
+    assert set(traj.policy_versions[traj.is_action == 1].tolist()) == {7}  # the versions that sampled, for staleness
+    assert set(traj.policy_versions[traj.is_action == 0].tolist()) == {-1}
+    (wrong,), _, _ = await one_episode("search_then_answer", tokenizer, qa_world, answer="not the answer")
+    assert wrong.task_reward == 0.0 and wrong.metrics["em"] == 0.0
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ("bad_reward", "the agent returned 'very good' as its reward; a reward is a finite number, or None"),
+    ("no_request", "the agent made no model request through the gateway"),
+])
+async def test_an_agent_that_breaks_its_contract_fails_its_episode(tokenizer, qa_world, entry, expected):
+    (traj,), _, _ = await one_episode(entry, tokenizer, qa_world)
+    assert traj.status == "failed" and expected in traj.error and traj.sample_index == 4
+
+
+@pytest.mark.parametrize(("entry", "expected"), [
+    ("not_async", "must be an async function"),
+    ("three_params", "it takes (task, client, extra)"),
+])
+def test_entry_shape_is_checked(tmp_path, entry, expected):
+    assert expected in config_error(tmp_path, f'[agent]\nentry = "tests/fixtures/agents/simple.py:{entry}"\n')
+
+
+async def test_the_tool_endpoint_refuses_unknown_tools_and_bad_bodies(tokenizer, qa_world):
+    import openai
+
+    from agentrl.engine.agent import AgentConfig
+    from agentrl.engine.tools import LocalSearchTool
+    from agentrl.gateway.agents import agent_episodes
+
+    world, _ = qa_world
+    env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig())
+    env.register_tool(LocalSearchTool(world.passages))
+    config = AgentConfig(entry="tests/fixtures/agents/simple.py:no_request")
+    async with agent_episodes(config, env, ScriptedPool(env.chat, "x"), tokenizer) as runner, \
+            openai.AsyncOpenAI(base_url=runner.gateway.base_url + "/v1", api_key="x", max_retries=0) as client:
+        listed = await client.get("/agentrl/tools", cast_to=dict)
+        assert [t["function"]["name"] for t in listed["tools"]] == ["search"]
+        with pytest.raises(openai.NotFoundError, match="no tool 'fetch'"):
+            await client.post("/agentrl/tools/fetch", body={"query": "x"}, cast_to=dict)
+        with pytest.raises(openai.BadRequestError, match="arguments as a JSON object"):
+            await client.post("/agentrl/tools/search", body=["x"], cast_to=dict)
+        refused = await client.post("/agentrl/tools/search", body={"q": "x"}, cast_to=dict)
+        assert refused["success"] is False and "invalid arguments" in refused["error"]
