@@ -15,7 +15,8 @@ Two ways to name it (exactly one):
   line of stdout and exits 0.
 
 What the agent gets (the same for both): the task as `Task.to_json()` (id, prompt or messages,
-reference, metadata) plus `"tools"`, the environment's tools as OpenAI function schemas. The agent
+reference, metadata; the reference is there for an agent that scores itself, and is not for the
+model's eyes) plus `"tools"`, the environment's tools as OpenAI function schemas. The agent
 offers them to the model with function calling and runs the calls it gets back itself, through the
 gateway: `POST {base_url}/agentrl/tools/{name}` with the arguments object as the body answers
 `{"content": str, "success": bool, "error": str | null}` (with the openai client:
