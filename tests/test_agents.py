@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from agentrl.common.config import ConfigError
@@ -88,21 +89,29 @@ async def run_agent_group(agent, vllm_server, tokenizer, model_dir, search_servi
 
 
 def check_recorded_exactly(group, recording):
-    """Every action span of every trajectory is a prefix of one generation the gateway got from the
-    pool, with that generation's log-probs and policy versions; every generation is in a trajectory."""
-    by_prompt = {tuple(prompt): generation for prompt, generation in recording.generations}
-    used = set()
+    """Every action span of every trajectory is a prefix of a generation the gateway got from the pool
+    for that very prompt, with its log-probs and policy versions unchanged (bit for bit, as float32);
+    and every generation is in some trajectory. (Greedy members send equal prompts; their log-probs
+    still differ in the 5th digit with the server's batching, so the match is to one of them.)"""
+    by_prompt: dict[tuple, list] = {}
+    for prompt, generation in recording.generations:
+        by_prompt.setdefault(tuple(prompt), []).append(generation)
+
+    def same(traj, turn, generation) -> bool:
+        span = slice(turn.action_start, turn.action_end)
+        n = turn.action_end - turn.action_start
+        return (n > 0 and traj.token_ids[span].tolist() == generation.token_ids[:n]
+                and np.array_equal(traj.behavior_logprobs[span], np.asarray(generation.logprobs[:n], np.float32))
+                and traj.policy_versions[span].tolist() == generation.versions[:n])
+
+    matched = set()
     for traj in group.trajectories:
         for turn in traj.turns:
-            prompt = tuple(traj.token_ids[:turn.action_start].tolist())
-            generation = by_prompt[prompt]
-            ids = traj.token_ids[turn.action_start:turn.action_end].tolist()
-            n = len(ids)
-            assert n > 0 and ids == generation.token_ids[:n]
-            assert traj.behavior_logprobs[turn.action_start:turn.action_end].tolist() == pytest.approx(generation.logprobs[:n])
-            assert traj.policy_versions[turn.action_start:turn.action_end].tolist() == generation.versions[:n]
-            used.add(prompt)
-    assert used == set(by_prompt)
+            candidates = by_prompt[tuple(traj.token_ids[:turn.action_start].tolist())]
+            hits = [id(g) for g in candidates if same(traj, turn, g) and id(g) not in matched]
+            assert hits, f"turn {turn} of {traj.group_id}/{traj.sample_index} matches no generation of its prompt"
+            matched.add(hits[0])
+    assert len(matched) == len(recording.generations)
 
 
 def check_scored(group, task, chat):
@@ -120,7 +129,9 @@ def check_scored(group, task, chat):
     assert ok.task_reward == expected == ok.metrics["em"]
     (own,) = by_member[2]
     assert own.status != "failed" and own.task_reward == 0.25 and own.metrics["agent_reward"] == 1.0
-    assert ok.metrics["num_tools_run"] >= 1 or own.metrics["num_tools_run"] >= 1  # tools ran through the gateway
+    # The ReAct member ran every call the model wrote, through the gateway (the scripted test below
+    # pins a call down; whether this untrained model calls depends on the question).
+    assert ok.metrics["num_tools_run"] == ok.metrics["num_tool_calls"]
     failed = by_member[1]
     assert all(t.status == "failed" for t in failed)
     return failed[0]
