@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("agentrl.evaluate:eval_main", "evaluate a policy on a run's held-out tasks (EM/F1, baselines)"),
     "rollout": ("agentrl.evaluate:rollout_main", "run episodes and write their trajectories"),
     "learner": ("agentrl.learner.cli:main", "run the learner process"),
-    "actor": ("agentrl.engine.actor:main", "run the actor process (the orchestrator of a training run)"),
+    "actor": ("agentrl.actor:main", "run the actor process (the orchestrator of a training run)"),
     "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
     "export": ("agentrl.export:main", "write a run's policy as a Hugging Face model folder"),
     "gateway": ("agentrl.gateway.cli:main", "serve the OpenAI chat API in front of vLLM, recording sessions' exact tokens"),

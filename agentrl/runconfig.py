@@ -35,6 +35,7 @@ from agentrl.common.config import (
     set_path,
     to_dict,
 )
+from agentrl.engine.agent import AgentConfig, check_agent
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.environments import env_class, env_options
 from agentrl.engine.orchestrator import OrchestratorConfig
@@ -118,6 +119,9 @@ class TrainConfig:
     """The RL learner; the supervisor fills in its output_dir, endpoints and servers."""
     tools: list[ToolSource] = field(default_factory=list)
     """[[tools]]: tools added to those the environment requires (engine/services.py)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """[agent]: train an agent program (an `entry` function or a `command`) through the gateway
+    instead of the native episode loop (engine/agent.py); empty: native episodes."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -209,13 +213,14 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
     checks = [(("tasks", "loader"), lambda: loader_options(config.tasks, origins=origins, source=source)),
               (("env", "class"), lambda: env_options(config.env, origins=origins, source=source)),
               (("env", "class"), lambda: builtin_tools(env_class(config.env).required_tools, config.services, config.tools)),
-              (("tools",), lambda: check_tool_sources(config.tools))]
+              (("tools",), lambda: check_tool_sources(config.tools)),
+              (("agent",), lambda: check_agent(config.agent))]
     for key, check in checks:
         try:
             check()
         except ConfigError as err:
             text = str(err)
-            problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools")) else text)
+            problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools", "agent.")) else text)
     if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:

@@ -9,7 +9,9 @@ default, then --config, then each --set; `--help` lists every key). Phases:
 1. set-up: the task set (the synthetic world and its corpus by default), the tool services and a
    vLLM server unless given (engine/services.py). Not counted in the time budget; everything after
    it is (`minutes`).
-2. held-out evaluation of the untrained policy with tools (Base Tool Call) and of Naive RAG.
+2. held-out evaluation of the untrained policy with tools (Base Tool Call) and of Naive RAG. With
+   an `[agent]`, every held-out evaluation of the policy runs the agent program (greedy, through a
+   gateway in this process), and RL episodes are the agent's (the actor serves its own gateway).
 3. SFT cold start (when the task set offers demonstrations): gold trajectories are streamed to a
    learner process in `sft` mode; it pushes its weights to the servers when done; held-out
    evaluation.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,6 +102,8 @@ class Supervisor:
         self.progress = progress
         self.deadline = 0.0
         self.setup_s = 0.0
+        self.eval_episodes = None
+        """The `[agent]` runner held-out evaluations use (None: native episodes)."""
 
     # -- bookkeeping
     def say(self, line: str) -> None:
@@ -194,12 +199,17 @@ class Supervisor:
         self.setup_s = time.monotonic() - t0
         self.deadline = time.monotonic() + cfg.minutes * 60
         async with Connections(self.services.vllm_urls, self.services.remote, self.model_dir, cfg.env,
-                               self.services.local) as conn:
+                               self.services.local) as conn, contextlib.AsyncExitStack() as stack:
             self.conn = conn
+            if cfg.agent.enabled:  # held-out evaluations run the agent program, greedy, through a gateway of this process
+                from agentrl.gateway.agents import agent_episodes
+
+                self.eval_episodes = await stack.enter_async_context(
+                    agent_episodes(cfg.agent, conn.env, conn.pool, conn.chat.tokenizer, model_dir=self.model_dir, temperature=0.0))
             self._write_prompt()
             if "baseline" not in self.phases:
                 self._phase("baseline evaluation")
-                summary, trajs = await evaluate(conn, self.heldout, "base_tool_call")
+                summary, trajs = await evaluate(conn, self.heldout, "base_tool_call", episodes=self.eval_episodes)
                 self._log_eval(summary, trajs)
                 _write_sample(self.out / "trajectories_base.jsonl", trajs[:8], conn.chat)
                 result = {"base_tool_call": summary, "baselines": {}}
@@ -216,7 +226,7 @@ class Supervisor:
             if "rl" not in self.phases:
                 await self._rl_phase()
             self._phase("final evaluation")
-            summary, trajs = await evaluate(conn, self.heldout, "final")
+            summary, trajs = await evaluate(conn, self.heldout, "final", episodes=self.eval_episodes)
             self._log_eval(summary, trajs)
             _write_sample(self.out / "trajectories_final.jsonl", trajs[:8], conn.chat)
             self._phase_done("final", summary)
@@ -281,7 +291,7 @@ class Supervisor:
         rc = learner.poll()
         if rc != 0:
             raise RuntimeError(f"SFT learner exited with {rc}; log {learner.log_path}:\n{learner.log_tail()}")
-        summary, trajs = await evaluate(self.conn, self.heldout, "sft")
+        summary, trajs = await evaluate(self.conn, self.heldout, "sft", episodes=self.eval_episodes)
         self._log_eval(summary, trajs)
         self._phase_done("sft", {**summary, "sft_s": time.perf_counter() - t0, "steps": cfg.sft.steps, "epochs_streamed": epoch})
 
@@ -303,6 +313,7 @@ class Supervisor:
             "tasks": to_dict(cfg.tasks),
             "env": to_dict(cfg.env),
             "orchestrator": to_dict(cfg.orchestrator),
+            "agent": to_dict(cfg.agent),
         }
         actor_path = self.out / "actor.toml"
         actor_path.write_text(dump_toml(actor_cfg))
@@ -333,7 +344,7 @@ class Supervisor:
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
                 if rl_eval_fits(time.monotonic(), self.evals, next_eval_s=next_eval, rl_end_s=rl_end(),
                                 in_budget=cfg.eval.in_budget):
-                    summary, trajs = await evaluate(self.conn, self.heldout, "rl")
+                    summary, trajs = await evaluate(self.conn, self.heldout, "rl", episodes=self.eval_episodes)
                     self._log_eval(summary, trajs)
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:

@@ -1,4 +1,5 @@
-"""`agentrl actor --config FILE`: the actor process of a training run (the orchestrator and its streams).
+"""The actor process of a training run (the orchestrator and its streams); `agentrl actor --config FILE`
+starts it (agentrl/actor.py: the entry, which also wires an `[agent]` program's runner).
 
 It connects to the running services (vLLM servers, tool services), builds the task set, and runs
 the orchestrator on the training stream forever, sending each finished GRPO group to the learner
@@ -7,28 +8,34 @@ a version within the staleness bound (`VersionSubscriber`). Every 10 s it append
 `out_dir/stats.jsonl`. SIGTERM or SIGINT stops it: the run is cancelled, unsent groups are
 reported by the sender, and the process exits 0 (the learner's spool already holds what it acked).
 
+Episodes are native unless the config names an agent (`[agent]`, engine/agent.py): then the entry
+hands `run_actor` a factory of the agent runner (a gateway served on this process's event loop over
+the same server pool, agentrl.gateway.agents), and the orchestrator runs agent episodes under the
+same bounds.
+
 The supervisor (`agentrl train`) writes the config: the actor-side sections of the run's config
 plus the endpoints it started.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import signal
-import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import field
 from pathlib import Path
 
-from agentrl.common.config import ConfigError, build, config_dataclass, read_toml
+from agentrl.common.config import config_dataclass
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
+from agentrl.engine.agent import AgentConfig
 from agentrl.engine.env import EnvConfig
-from agentrl.engine.orchestrator import OrchestratorConfig
+from agentrl.engine.orchestrator import EpisodeRunner, OrchestratorConfig
 from agentrl.engine.services import Connections, RemoteService, ToolSource
 from agentrl.engine.tasksets import TasksConfig, load_taskset
 
@@ -55,9 +62,15 @@ class ActorConfig:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """An agent program run through the gateway instead of native episodes (engine/agent.py)."""
 
 
-async def run_actor(cfg: ActorConfig) -> int:
+EpisodesFactory = Callable[[Connections], AbstractAsyncContextManager[EpisodeRunner]]
+"""Given the actor's connections, an async context that yields the episode runner (and owns what it serves on)."""
+
+
+async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -> int:
     from agentrl.common.transport import GroupSender, VersionSubscriber
     from agentrl.engine.orchestrator import Orchestrator
 
@@ -68,7 +81,8 @@ async def run_actor(cfg: ActorConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     taskset = load_taskset(cfg.tasks, out / "tasks")
-    async with Connections(cfg.vllm, cfg.remote_tools, cfg.model_dir, cfg.env, cfg.local_tools) as conn:
+    async with Connections(cfg.vllm, cfg.remote_tools, cfg.model_dir, cfg.env, cfg.local_tools) as conn, \
+            contextlib.AsyncExitStack() as stack:
         # The learner's queue is part of the staleness budget: every group waiting there is trained
         # at a later version than the one that sampled it. Bounding the unacknowledged groups to
         # the orchestrator's own in-flight bound keeps data at most ~2 x that many steps old.
@@ -78,9 +92,10 @@ async def run_actor(cfg: ActorConfig) -> int:
         await sender.start()
         await versions.start()
         try:
+            runner = await stack.enter_async_context(episodes(conn)) if episodes is not None else None
             stream = taskset.train_stream(lambda: (versions.latest or (0, 0))[0])
             orch = Orchestrator(conn.env, conn.pool.generate, sender.send, cfg.orchestrator, versions=versions,
-                                run_id=f"rl{int(time.time())}-{os.getpid()}")
+                                run_id=f"rl{int(time.time())}-{os.getpid()}", episodes=runner)
             run = asyncio.ensure_future(orch.run(stream))
             stats_path = out / "stats.jsonl"
             t0 = time.time()
@@ -99,14 +114,3 @@ async def run_actor(cfg: ActorConfig) -> int:
             await sender.close(timeout_s=5.0)
     return 0
 
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="agentrl actor", description="The actor process: the orchestrator of a training run.")
-    parser.add_argument("--config", required=True)
-    args = parser.parse_args(argv)
-    try:
-        cfg = build(ActorConfig, read_toml(args.config), default_source=args.config)
-    except ConfigError as err:
-        print(f"agentrl actor: bad config: {err}", file=sys.stderr)
-        return 2
-    return asyncio.run(run_actor(cfg))

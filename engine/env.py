@@ -294,6 +294,20 @@ class ToolEnv:
         self._validators[tool.name] = validator_cls(tool.parameters)
         self._prefix_ids = None
 
+    async def call_tool(self, name: str, arguments: dict) -> ToolResult:
+        """Run one registered tool as an episode would, for a caller outside the episode loop (an
+        agent program's call through the gateway): an unknown tool or arguments that fail its schema
+        are a failed result saying why; the call gets `tool_timeout_s`. `ToolUnavailable` propagates
+        (infrastructure, not the agent's doing)."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolResult(None, False, 0.0, f"unknown tool {name!r}; available: {', '.join(sorted(self.tools))}")
+        schema_error = next(iter(self._validators[name].iter_errors(arguments)), None)
+        if schema_error is not None:
+            where = "/".join(map(str, schema_error.absolute_path)) or "arguments"
+            return ToolResult(None, False, 0.0, f"invalid arguments at {where}: {schema_error.message}")
+        return await self._execute(tool, arguments)
+
     @property
     def system_prompt(self) -> str:
         return f"{self.intro()}\n<tools>\n{list_tools([t.schema() for t in self.tools.values()], self.config.tool_list)}\n</tools>"

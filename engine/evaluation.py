@@ -11,6 +11,10 @@ metric the environment reports (QA: em, f1), counts, turns and tool calls per ep
 each metadata key in the environment's `report_by`, the same broken down by its values
 (`by_<key>`: {value: {"score", "n", "calls_per_episode"}}; QA also keeps `em_<n>hop`).
 
+With `episodes` (an `[agent]` run's runner, agentrl.gateway.agents, whose gateway samples
+greedily), the held-out tasks are the agent program's episodes instead of native ones, so the score
+is the agent's; the summary says which (`harness`: "agent" or "native").
+
 `evaluate_baselines(conn, tasks)`: the environment's `baselines(tasks)` (QA: Naive RAG), each
 evaluated once on the same tasks.
 """
@@ -30,7 +34,8 @@ GREEDY = OrchestratorConfig(group_size=1, max_concurrent_episodes=256, sampling=
 """Evaluation reports failed episodes (num_failed) instead of stopping on them."""
 
 
-async def run_tasks(env, pool, tasks: list[Task], config: OrchestratorConfig = GREEDY, *, run_id: str, sink=None) -> list:
+async def run_tasks(env, pool, tasks: list[Task], config: OrchestratorConfig = GREEDY, *, run_id: str, sink=None,
+                    episodes=None) -> list:
     """Every task through the orchestrator; the trajectories (in completion order)."""
     trajectories = []
 
@@ -39,7 +44,7 @@ async def run_tasks(env, pool, tasks: list[Task], config: OrchestratorConfig = G
         if sink is not None:
             await sink(group)
 
-    orch = Orchestrator(env, pool.generate, collect, config, run_id=run_id)
+    orch = Orchestrator(env, pool.generate, collect, config, run_id=run_id, episodes=episodes)
     stats = await orch.run(tasks)
     if stats.num_episodes_started != stats.num_episodes_finished:
         raise RuntimeError(f"{stats.num_episodes_started} episodes started but {stats.num_episodes_finished} finished")
@@ -86,7 +91,7 @@ def summarize(label: str, env, tasks: list[Task], trajectories: list, **extra) -
     return summary
 
 
-async def evaluate(conn, tasks: list[Task], label: str, env=None) -> tuple[dict, list]:
+async def evaluate(conn, tasks: list[Task], label: str, env=None, episodes=None) -> tuple[dict, list]:
     """Greedy held-out evaluation (module docstring); returns (summary, trajectories)."""
     from agentrl.common.weights import reset_kv_cache
 
@@ -94,9 +99,11 @@ async def evaluate(conn, tasks: list[Task], label: str, env=None) -> tuple[dict,
     versions_before = [await s.client.weight_version() for s in conn.pool.servers if s.alive]
     t0 = time.perf_counter()
     await asyncio.gather(*(reset_kv_cache(url) for url in conn.pool.live_servers))
-    trajectories = await run_tasks(env, conn.pool, tasks, run_id=f"eval-{label}")
+    trajectories = await run_tasks(env, conn.pool, tasks, run_id=f"eval-{label}", episodes=episodes)
+    if episodes is not None:  # an agent episode may give several trajectories (segments): score its last
+        trajectories = list({(t.group_id, t.sample_index): t for t in trajectories}.values())
     summary = summarize(label, env, tasks, trajectories, served_version=max(versions_before) if versions_before else -1,
-                        eval_s=time.perf_counter() - t0)
+                        eval_s=time.perf_counter() - t0, harness="native" if episodes is None else "agent")
     return summary, trajectories
 
 

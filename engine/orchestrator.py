@@ -15,6 +15,12 @@ Staleness: with a `VersionSubscriber`, an episode starts only while
 (learner version - served version) <= `max_staleness`; otherwise it waits for the servers to catch
 up (weights pushed), at most `staleness_wait_s` before the run fails loudly.
 
+Episodes: native by default (`episode.run_episode` on the environment); or whatever runs an
+`EpisodeRunner`, `async (task, group_id, sample_index) -> list[Trajectory]`, such as an agent program
+through the gateway (agentrl.gateway.agents). A runner's episode may give several trajectories (the
+segments of one agent session), all with the member's `sample_index`; it gives a failed one rather
+than raising. Both kinds run under the same bounds, staleness rule, failure rule and sink.
+
 Nothing is dropped: every episode started returns a Trajectory (failed ones with status "failed"
 and the reason, see `episode.run_episode`), every group reaches the sink, and `stats` counts
 episodes started, finished, failed and groups emitted, so a report can check started == finished.
@@ -45,7 +51,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from agentrl.common.config import config_dataclass
-from agentrl.common.trajectory import TrajectoryGroup
+from agentrl.common.trajectory import Trajectory, TrajectoryGroup
 from agentrl.common.transport import VersionSubscriber
 from agentrl.engine.env import ToolEnv
 from agentrl.engine.episode import GenerateFn, SamplingConfig, run_episode
@@ -54,6 +60,8 @@ from agentrl.engine.task import Task
 log = logging.getLogger(__name__)
 
 Sink = Callable[[TrajectoryGroup], Awaitable[None]]
+EpisodeRunner = Callable[[Task, str, int], Awaitable[list[Trajectory]]]
+"""(task, group id, sample index) -> the episode's trajectories (at least one; failed ones marked)."""
 
 
 @config_dataclass
@@ -107,7 +115,8 @@ class TooManyFailures(RuntimeError):
 
 class Orchestrator:
     def __init__(self, env: ToolEnv, generate: GenerateFn, sink: Sink, config: OrchestratorConfig | None = None, *,
-                 versions: VersionSubscriber | None = None, run_id: str | None = None):
+                 versions: VersionSubscriber | None = None, run_id: str | None = None,
+                 episodes: EpisodeRunner | None = None):
         self.env = env
         self.generate = generate
         self.sink = sink
@@ -115,6 +124,8 @@ class Orchestrator:
         self.versions = versions
         self.run_id = run_id or uuid.uuid4().hex[:12]
         """Prefix of every group id: unique across runs and restarts, so the learner's dedup is sound."""
+        self.episodes = episodes or self._native_episode
+        """Runs one group member: native episodes unless a runner is given (module docstring)."""
         self.stats = OrchestratorStats()
         self._recent_failed: collections.deque[bool] = collections.deque(maxlen=self.config.failure_window)
         self._first_failure: str | None = None
@@ -159,31 +170,36 @@ class Orchestrator:
         return self.stats
 
     async def _run_group(self, task: Task, group_id: str) -> None:
-        samples = await asyncio.gather(*(self._run_sample(task, group_id, i) for i in range(self.config.group_size)))
-        await self.sink(TrajectoryGroup(group_id=group_id, task_id=task.task_id, trajectories=list(samples)))
+        members = await asyncio.gather(*(self._run_sample(task, group_id, i) for i in range(self.config.group_size)))
+        await self.sink(TrajectoryGroup(group_id=group_id, task_id=task.task_id, trajectories=[t for m in members for t in m]))
         self.stats.num_groups_emitted += 1
 
-    async def _run_sample(self, task: Task, group_id: str, sample_index: int):
+    async def _native_episode(self, task: Task, group_id: str, sample_index: int) -> list[Trajectory]:
+        return [await run_episode(self.env, task, self.generate, self.config.sampling, group_id=group_id,
+                                  sample_index=sample_index)]
+
+    async def _run_sample(self, task: Task, group_id: str, sample_index: int) -> list[Trajectory]:
         await self._wait_fresh_enough()
         async with self._episode_slots:
             self.stats.num_episodes_started += 1
-            traj = await run_episode(self.env, task, self.generate, self.config.sampling, group_id=group_id,
-                                     sample_index=sample_index)
+            trajs = await self.episodes(task, group_id, sample_index)
+        if not trajs:
+            raise RuntimeError(f"the episode runner returned no trajectory for {group_id}/{sample_index}")
         self.stats.num_episodes_finished += 1
-        self.stats.num_turns += len(traj.turns)
-        self.stats.num_action_tokens += int(traj.is_action.sum())
-        failed = traj.status == "failed"
-        self._recent_failed.append(failed)
-        if failed:
+        self.stats.num_turns += sum(len(t.turns) for t in trajs)
+        self.stats.num_action_tokens += sum(int(t.is_action.sum()) for t in trajs)
+        failure = next((t for t in trajs if t.status == "failed"), None)
+        self._recent_failed.append(failure is not None)
+        if failure is not None:
             self.stats.num_episodes_failed += 1
-            self._first_failure = self._first_failure or f"task {task.task_id}: {traj.error}"
-            log.warning("episode %s/%d failed: %s", group_id, sample_index, traj.error)
+            self._first_failure = self._first_failure or f"task {task.task_id}: {failure.error}"
+            log.warning("episode %s/%d failed: %s", group_id, sample_index, failure.error)
             window = self._recent_failed
             if len(window) == window.maxlen and sum(window) > self.config.max_failure_rate * len(window):
                 raise TooManyFailures(f"{sum(window)} of the last {len(window)} episodes failed "
                                       f"({self.stats.num_episodes_failed} of {self.stats.num_episodes_finished} in all); "
                                       f"the first: {self._first_failure}")
-        return traj
+        return trajs
 
     async def _wait_fresh_enough(self) -> None:
         if self.versions is None:

@@ -1,5 +1,5 @@
 """agentrl's OpenAI-compatible gateway: agents written against the OpenAI chat API run through
-agentrl's inference pool, and every session's exact token ids, log-probs and policy versions are
+agentrl's inference pool, and every session's exact token records, log-probs and policy versions are
 recorded for training (`server` for the endpoints, `render` for prompts and splicing, `sessions`
-for the record and its segments, `cli` for `agentrl gateway`).
-Imports: agentrl.common and agentrl.engine (the inference pool, parsers, chat format), nothing else."""
+for the record and its segments, `agents` for `[agent]` programs trained through it, `cli` for
+`agentrl gateway`). Import rule: agentrl.gateway imports only agentrl.common and agentrl.engine."""

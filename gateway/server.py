@@ -8,6 +8,9 @@ Endpoints (each also under a per-session base URL `/s/{session}/v1/...`):
   through the pool (balancing, failover, weight versions), tool calls parsed by the model family's
   parser and answered in OpenAI's `tool_calls` format; `usage`; `stream: true` answers SSE chunks.
 - `POST /v1/completions`: a text or token-id prompt, no chat template.
+- with a tool host (an agent run's tools, gateway/agents.py): `GET /v1/agentrl/tools` (their OpenAI
+  function schemas) and `POST /v1/agentrl/tools/{name}` (the arguments object as the body; answers
+  the host's result JSON; under a session's base URL or header the call belongs to that session);
 - `GET /agentrl/sessions/{id}` (the record), `DELETE /agentrl/sessions/{id}` (close: the final
   record), `GET /agentrl/sessions`, `GET /agentrl/stats`, `GET /health`.
 
@@ -140,11 +143,14 @@ class Gateway:
     """Owns the HTTP server, the session store and its sweeper; the pool is the caller's."""
 
     def __init__(self, config: GatewayConfig, tokenizer, pool, *, model_dir: str | Path | None = None,
-                 on_session_end=None):
+                 on_session_end=None, tools=None):
         self.config = config
         self.tokenizer = tokenizer
         self.pool = pool
         """Anything with `async generate(prompt_ids, SamplingParams) -> Generation` (an engine ServerPool)."""
+        self.tools = tools
+        """None, or a tool host: `schemas() -> list[dict]` and `async call(session_id | None, name,
+        arguments) -> dict` (raising GatewayError to refuse), served under /v1/agentrl/tools."""
         self.model_name = config.served_model_name or (Path(model_dir).name if model_dir else "model")
         self._model_names = {self.model_name, *([str(model_dir)] if model_dir else [])}
         self.family = config.tool_parser if config.tool_parser != "auto" else detect_tool_call_format(tokenizer)
@@ -246,6 +252,12 @@ class Gateway:
             handler = {"GET": self._get_session, "DELETE": self._close_session}.get(method)
             if handler is not None:
                 return handler, path.removeprefix("/agentrl/sessions/")
+        if self.tools is not None and path.startswith("/v1/agentrl/tools"):
+            if method == "GET" and path == "/v1/agentrl/tools":
+                return self._list_tools, session_id
+            if method == "POST" and path.startswith("/v1/agentrl/tools/"):
+                return self._call_tool, session_id
+            raise P.GatewayError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
         if any(p == path for _, p in self._routes_by_key) or path.startswith("/agentrl/sessions/"):
             raise P.GatewayError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
         raise P.GatewayError(404, f"no route {method} {path}", code="not_found")
@@ -292,6 +304,28 @@ class Gateway:
 
     async def _close_session(self, request: web.BaseRequest, session_id: str) -> web.Response:
         return _json(self.sessions.close(session_id))
+
+    async def _list_tools(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+        return _json({"tools": self.tools.schemas()})
+
+    async def _call_tool(self, request: web.BaseRequest, session_in_path: str | None) -> web.Response:
+        session_id = self._session_id(request, session_in_path)
+        name = request.path.rpartition("/agentrl/tools/")[2]
+        try:
+            arguments = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as err:
+            raise P.invalid(f"the body must be the tool's arguments as a JSON object: {err}", "arguments") from None
+        if not isinstance(arguments, dict):
+            raise P.invalid(f"the body must be the tool's arguments as a JSON object, got {type(arguments).__name__}", "arguments")
+        session = self.sessions.open(session_id) if session_id is not None else None
+        if session is not None:
+            session.in_flight += 1
+        try:
+            return _json(await self.tools.call(session_id, name, arguments))
+        finally:
+            if session is not None:
+                session.in_flight -= 1
+                session.last_used_s = time.monotonic()
 
     # -- the two generation endpoints ---------------------------------------------------------------
 
