@@ -93,12 +93,18 @@ def summarize(label: str, env, tasks: list[Task], trajectories: list, **extra) -
 
 async def evaluate(conn, tasks: list[Task], label: str, env=None, episodes=None) -> tuple[dict, list]:
     """Greedy held-out evaluation (module docstring); returns (summary, trajectories)."""
-    from agentrl.common.weights import reset_kv_cache
+    from agentrl.common.weights import WeightPushError, reset_kv_cache
 
     env = env or conn.env
-    versions_before = [await s.client.weight_version() for s in conn.pool.servers if s.alive]
+    versions_before = list((await conn.pool.weight_versions()).values())
     t0 = time.perf_counter()
-    await asyncio.gather(*(reset_kv_cache(url) for url in conn.pool.live_servers))
+    urls = conn.pool.live_servers
+    for url, result in zip(urls, await asyncio.gather(*(reset_kv_cache(url) for url in urls), return_exceptions=True),
+                           strict=True):
+        if isinstance(result, WeightPushError):  # it died since: out of the pool, the others evaluate
+            conn.pool.mark_dead(url, result)
+        elif isinstance(result, BaseException):
+            raise result
     trajectories = await run_tasks(env, conn.pool, tasks, run_id=f"eval-{label}", episodes=episodes)
     if episodes is not None:  # an agent episode may give several trajectories (segments): score its last
         trajectories = list({(t.group_id, t.sample_index): t for t in trajectories}.values())

@@ -115,6 +115,29 @@ class ServerPool:
                     raise
                 await asyncio.sleep(min(self.probe_interval_s, 1.0))
 
+    async def weight_versions(self) -> dict[str, int]:
+        """The weight version each live server serves (base URL -> version). A server that does not
+        answer is taken out of the pool here, as a failed generation would take it out, rather than
+        failing the caller: an evaluation right after a server died must run on the others."""
+        async def ask(server: _Server) -> int | None:
+            try:
+                return await server.client.weight_version()
+            except InferenceServerUnavailable as err:
+                if not await server.client.health():
+                    self._mark_dead(server, err)
+                    return None
+                raise
+
+        live = [s for s in self.servers if s.alive]
+        answers = await asyncio.gather(*(ask(s) for s in live))
+        return {s.client.base_url: v for s, v in zip(live, answers, strict=True) if v is not None}
+
+    def mark_dead(self, base_url: str, err: Exception) -> None:
+        """Take a server out (a caller outside generation saw it fail); the probe brings it back."""
+        for server in self.servers:
+            if server.client.base_url == base_url:
+                self._mark_dead(server, err)
+
     def _mark_dead(self, server: _Server, err: Exception) -> None:
         if server.alive:
             server.alive = False
