@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from agentrl.common.config import config_dataclass
+from agentrl.common.control_auth import is_loopback
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
 from agentrl.learner.rewards import RewardSchedule
 from agentrl.learner.trainer import TrainerConfig
@@ -81,6 +82,13 @@ class LearnerConfig:
     """A tqdm bar on stderr (off when a supervisor owns the terminal)."""
 
     def __post_init__(self) -> None:
+        for key in ("group_endpoint", "version_endpoint"):
+            endpoint = getattr(self, key)
+            if endpoint is not None and not is_local_endpoint(endpoint):
+                raise ValueError(
+                    f"{key}={endpoint!r} is reachable from other hosts: the learner's sockets take trajectory groups "
+                    "and publish versions without authentication (CurveZMQ is not implemented for them), so they bind "
+                    "on loopback only; use tcp://127.0.0.1:PORT (or ipc://) and reach it through an SSH tunnel")
         if self.tokens_per_step <= 0:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} must be > 0")
         if self.checkpoint_every <= 0:
@@ -128,3 +136,13 @@ def resolve_device(name: str) -> torch.device:
     local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ and "LOCAL_RANK" in os.environ else None
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pick_device(name, num_gpus, local_rank)
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """True for a ZeroMQ endpoint only this host can reach: ipc://, inproc://, loopback TCP."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return is_loopback(host)

@@ -90,3 +90,16 @@ def test_stale_samples_are_rejected_and_reported(tmp_path):
     assert report["staleness/hist"] == {"0": 4, "1": 2, "2": 4, "3": 2, "4": 4, "5": 4}
     assert report["staleness/max"] == 5
     assert np.isclose(report["staleness/mean"], (0 * 4 + 1 * 2 + 2 * 4 + 3 * 2 + 4 * 4 + 5 * 4) / 20)
+
+
+@pytest.mark.parametrize("endpoint, local", [("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True),
+                                             ("tcp://[::1]:5555", True), ("ipc:///tmp/learner.sock", True),
+                                             ("tcp://0.0.0.0:5555", False), ("tcp://*:5555", False),
+                                             ("tcp://10.1.2.3:5555", False)])
+def test_the_learner_binds_its_sockets_on_loopback_only(endpoint, local):
+    for key in ("group_endpoint", "version_endpoint"):
+        if local:
+            LearnerConfig(**{key: endpoint})
+        else:
+            with pytest.raises(ValueError, match=f"{key}=.*reachable from other hosts.*loopback only"):
+                LearnerConfig(**{key: endpoint})
