@@ -145,7 +145,7 @@ def export(run: Path, out: Path, step: int | None = None) -> Path:
         info = {"run": str(run.resolve()), "phase": phase, "checkpoint": ckpt.name, "step": int(state["step"]),
                 "base_model": str(base)}
         (meta / "export.json").write_text(json.dumps(info, indent=1))
-        scores = {f"{e['label']} EM": round(e["em"], 4) for e in read_jsonl(run / "evals.jsonl")}
+        scores = {f"{e['label']} {e['score_metric']}": round(e['score'], 4) for e in read_jsonl(run / "evals.jsonl")}
         (tmp / "README.md").write_text(_readme(prompt, info, scores))
         tmp.chmod(0o755)
         if out.exists():

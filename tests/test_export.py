@@ -32,7 +32,7 @@ def _fake_run(tmp_path, model_dir, step: int = 7):
     run.mkdir()
     (run / "config.toml").write_text(dump_toml(config_data(load_run_config().config)))
     (run / PROMPT_FILE).write_text(json.dumps(PROMPT))
-    (run / "evals.jsonl").write_text(json.dumps({"label": "final", "em": 0.25, "f1": 0.3}) + "\n")
+    (run / "evals.jsonl").write_text(json.dumps({"label": "final", "score_metric": "correct", "score": 0.25, "n": 4}) + "\n")  # any environment: no em key
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = {f"lm.{k}": v.clone() for k, v in model.state_dict().items()}
     policy["lm.model.norm.weight"] += 0.5
@@ -64,7 +64,7 @@ def test_export_loads_with_from_pretrained_and_generates(tmp_path, model_dir):
     assert meta["phase"] == "rl" and meta["step"] == 7
     assert (out / "agentrl" / "config.toml").read_text() == (run / "config.toml").read_text()
     readme = (out / "README.md").read_text()
-    assert PROMPT["system_prompt"] in readme and "final EM: 0.25" in readme
+    assert PROMPT["system_prompt"] in readme and "final correct: 0.25" in readme
 
 
 def test_export_cli_names_what_is_missing(tmp_path, model_dir):
