@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     # uvloop runs the gateway's transports and timers in C: benchmarks/gateway.py, alternating runs on
     # this machine, 423 against 528 CPU us per turn (medians of 3, each pair in uvloop's favour).
     p.add_argument("--event-loop", default="uvloop", choices=["uvloop", "asyncio"])
-    p.add_argument("--dtype", default="bfloat16", help="for the vLLM server the gateway starts")
+    p.add_argument("--dtype", default="auto", help="for the vLLM server the gateway starts (auto: bf16 where the device runs it natively, else float32)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="for the vLLM server the gateway starts")
     p.add_argument("--vllm-log", default=None, help="log file of the vLLM server the gateway starts")
     return p
