@@ -161,19 +161,7 @@ class HermesParser:
             except json.JSONDecodeError as err:
                 out.errors.append(ParseError("bad_json", f"the tool call is not valid JSON ({err.msg} at char {err.pos})", raw))
                 continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                out.errors.append(ParseError("bad_call", 'a tool call must be {"name": "<tool>", "arguments": {...}}', raw))
-                continue
-            arguments = obj.get("arguments", {})
-            if isinstance(arguments, str):  # some models double-encode the arguments object
-                try:
-                    arguments = _JSON.decode(arguments)
-                except json.JSONDecodeError:
-                    arguments = None
-            if not isinstance(arguments, dict):
-                out.errors.append(ParseError("bad_call", '"arguments" must be a JSON object', raw))
-                continue
-            call = _checked_call(obj["name"], arguments, raw)
+            call = _call_from_object(obj, raw, ("arguments",), '{"name": "<tool>", "arguments": {...}}')
             (out.calls if isinstance(call, ToolCall) else out.errors).append(call)
         return out
 
