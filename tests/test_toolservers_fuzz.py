@@ -280,10 +280,13 @@ class _Bulky(Tool):
 
 
 async def test_a_peer_that_stops_reading_does_not_stall_the_replies_to_others():
-    """Peer A asks for 400 replies of 200 KB and reads none. Its ZeroMQ queue fills (sndhwm 4 frames
-    of at most 1 MiB), its later calls are answered `overloaded` (not run) and what is held for it
-    past 1 MiB is dropped; meanwhile peer B's 50 calls are all answered at once (before, the server
-    stopped reading requests from everyone while a reply waited for A)."""
+    """Peer A reads nothing. It first sends one frame of 200 calls (all admitted together, 40 MB of
+    replies: more than ZeroMQ's queue of 4 frames of at most 1 MiB plus any TCP buffers can take), so
+    what is held for it passes 1 MiB and is dropped; its 200 later calls, sent one per frame, find
+    it stalled and are answered `overloaded` (not run). Meanwhile peer B's 50 calls are all answered
+    at once (before, the server stopped reading requests from everyone while a reply waited for A).
+    (One call per frame alone left the drop to timing: a stall seen between read batches turns
+    every later call into `overloaded` before 1 MiB is held.)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -299,7 +302,9 @@ async def test_a_peer_that_stops_reading_does_not_stall_the_replies_to_others():
     stalled.setsockopt(zmq.RCVBUF, 65536)
     stalled.connect(config.bind)
     try:
-        for i in range(400):
+        await stalled.send(msgpack.packb([{"id": i, "op": "call", "tool": "bulky", "args": {"i": i}, "timeout_s": 30}
+                                          for i in range(200)]))
+        for i in range(200, 400):
             await stalled.send(msgpack.packb({"id": i, "op": "call", "tool": "bulky", "args": {"i": i}, "timeout_s": 30}))
         await asyncio.sleep(1.0)
         async with ToolClient([config.bind], request_timeout_s=10) as other:
