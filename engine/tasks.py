@@ -37,14 +37,16 @@ SPLITS = ("train", "heldout")
 
 
 def qa_task(task_id: str, question: str, answers: tuple[str, ...] | list[str], *, num_hops: int = 0, source: str = "synthetic",
-            supporting_ids: tuple[str, ...] | list[str] = (), gold_queries: tuple[str, ...] | list[str] = ()) -> Task:
+            supporting_ids: tuple[str, ...] | list[str] = (), gold_queries: tuple[str, ...] | list[str] = (),
+            intermediate_answers: tuple[str, ...] | list[str] = ()) -> Task:
     """A question-answering task in the generic layout: prompt = the question, reference = the gold
     answer and its aliases (EM/F1 take the best over them), metadata = the hop count, the source,
-    the gold supporting passage ids (in hop order for synthetic tasks) and one gold search query per
-    hop that retrieves the hop's passage (synthetic tasks only; the QA environment's demonstration)."""
+    the gold supporting passage ids (in hop order for synthetic tasks), one gold search query per
+    hop that retrieves the hop's passage, and the bridge entities each hop but the last resolves to
+    (these two for synthetic tasks only: the QA environment's demonstration and failure labels)."""
     return Task(task_id, prompt=question, reference=list(answers),
                 metadata={"num_hops": num_hops, "source": source, "supporting_ids": list(supporting_ids),
-                          "gold_queries": list(gold_queries)})
+                          "gold_queries": list(gold_queries), "intermediate_answers": list(intermediate_answers)})
 
 
 @dataclass
@@ -174,7 +176,8 @@ class SyntheticWorld:
         return path
 
     def questions(self, split: str = "train", hops: Sequence[int] = (1, 2, 3, 4), num: int = 100, seed: int = 0) -> list[Task]:
-        """`num` distinct questions of the given split, hop counts drawn uniformly from `hops`.
+        """`num` distinct questions of the given split, hop counts drawn uniformly from `hops` (a
+        repeated count weighs more: `[1, 2, 2]` draws 2-hop questions twice as often).
 
         Deterministic in (world, split, hops, num, seed). Raises ValueError if the split holds fewer
         distinct questions than asked for.
@@ -196,7 +199,7 @@ class SyntheticWorld:
         out: list[Task] = []
         cursor = dict.fromkeys(hop_order, 0)
         while len(out) < num:
-            h = rng.choice([h for h in hop_order if cursor[h] < len(pools[h])])
+            h = rng.choice([h for h in sorted(hops) if cursor[h] < len(pools[h])])
             out.append(pools[h][cursor[h]])
             cursor[h] += 1
         return out
@@ -219,7 +222,7 @@ class SyntheticWorld:
 
     def _compose(self, start: str, chain: tuple[str, ...]) -> Task | None:
         entity, description = start, (f"the {start}" if chain[0] == "made_by" else start)
-        passage_ids, queries = [], []
+        passage_ids, queries, bridges = [], [], []
         for i, relation in enumerate(chain):
             fact = self._facts.get((relation, entity))
             if fact is None:
@@ -230,11 +233,12 @@ class SyntheticWorld:
                 question = _QUESTION[relation].format(x=description)
             else:
                 description = _DESCRIBE[relation].format(x=description)
+                bridges.append(fact.obj)
             entity = fact.obj
         question = question[0].upper() + question[1:]
         task_id = f"syn{self.config.seed}-{len(chain)}h-{'.'.join(r[0] for r in chain)}-{_slug(start)}"
         return qa_task(task_id, question, [entity], num_hops=len(chain), source="synthetic",
-                       supporting_ids=passage_ids, gold_queries=queries)
+                       supporting_ids=passage_ids, gold_queries=queries, intermediate_answers=bridges)
 
 
 # Relation chains by hop count; each ends at an entity with a short name.

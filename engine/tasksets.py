@@ -100,7 +100,8 @@ class SyntheticOptions:
         default_factory=lambda: [CurriculumStage(hops=[1], until_version=6), CurriculumStage(hops=[1, 2])])
     """Stages of training hop counts, in order; the last has no `until_version`."""
     demonstration_hops: list[int] = field(default_factory=lambda: [1, 2])
-    """Hop counts of the training questions the SFT cold start demonstrates."""
+    """Hop counts of the training questions the SFT cold start demonstrates; a repeated count weighs
+    more (`[1, 2, 2]`: two thirds 2-hop)."""
 
     def __post_init__(self) -> None:
         for name, hops in (("heldout_hops", self.heldout_hops), ("demonstration_hops", self.demonstration_hops),

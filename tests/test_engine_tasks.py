@@ -47,6 +47,11 @@ def test_synthetic_world_is_deterministic_and_answerable_from_its_passages():
         assert task.reference[0] in by_id[task.metadata["supporting_ids"][-1]]["text"]
         for prev, nxt in zip(task.metadata["supporting_ids"], task.metadata["supporting_ids"][1:], strict=False):
             assert by_id[nxt]["title"] in by_id[prev]["text"]
+        # The bridge entities: hop i's passage names entity i, which hop i+1's passage is about.
+        bridges = task.metadata["intermediate_answers"]
+        assert len(bridges) == task.metadata["num_hops"] - 1
+        for bridge, nxt in zip(bridges, task.metadata["supporting_ids"][1:], strict=True):
+            assert by_id[nxt]["title"] == bridge
 
 
 def test_synthetic_difficulty_and_disjoint_splits():
@@ -59,6 +64,11 @@ def test_synthetic_difficulty_and_disjoint_splits():
     assert not {t.task_id for t in train} & {t.task_id for t in heldout}
     # No held-out question starts from the entity a training question starts from.
     assert not {t.metadata["supporting_ids"][0] for t in train} & {t.metadata["supporting_ids"][0] for t in heldout}
+    # A repeated hop count weighs more: [1, 2, 2] draws about two thirds 2-hop (uniform: one half).
+    def share_2hop(hops):
+        return sum(t.metadata["num_hops"] == 2 for t in world.questions("train", hops=hops, num=90, seed=5)) / 90
+    assert 0.35 < share_2hop([1, 2]) < 0.65 and share_2hop([1, 2, 2]) > 0.55
+    assert world.questions("train", hops=[2, 1], num=20, seed=2) == world.questions("train", hops=[1, 2], num=20, seed=2)
     with pytest.raises(ValueError, match="num_companies"):
         world.questions("heldout", num=10_000)
     with pytest.raises(ValueError, match="hops"):
