@@ -57,6 +57,25 @@ def paired_comparison(before: dict[str, float], after: dict[str, float]) -> dict
     return {"n": len(common), "gained": gained, "lost": lost, "p_value": min(1.0, 2 * tail)}
 
 
+def failure_table(rows: list[tuple[str, dict | None]]) -> list[str]:
+    """Markdown: for each policy and hop count (`by_num_hops`), the share of episodes with each
+    failure label the environment reports (metrics `fail_*`, e.g. engine/qa.py FAILURE_LABELS);
+    [] when none does."""
+    labels = sorted({k for _, r in rows if r for cell in r.get("by_num_hops", {}).values() for k in cell
+                     if k.startswith("fail_")})
+    if not labels:
+        return []
+    lines = ["", "### Why held-out answers are wrong, by hop count", "",
+             "Share of the episodes of each hop count (one episode can carry several labels):", "",
+             "| policy | hops | n | score | " + " | ".join(k.removeprefix("fail_") for k in labels) + " |",
+             "| --- " * (len(labels) + 4) + "|"]
+    for name, r in rows:
+        for hops, cell in sorted((r or {}).get("by_num_hops", {}).items()):
+            lines.append(f"| {name} | {hops} | {cell['n']} | {cell['score']:.3f} | "
+                         + " | ".join(f"{cell.get(k, 0.0):.2f}" for k in labels) + " |")
+    return lines
+
+
 def write_report(run_dir: str | Path) -> Path:
     run = Path(run_dir)
     plots = run / "plots"
@@ -70,7 +89,7 @@ def write_report(run_dir: str | Path) -> Path:
 
     t0 = min((e["time"] for e in evals), default=0.0)
     baselines = set(phases.get("baseline", {}).get("baselines", {}))
-    tracked = [e for e in evals if e["label"] not in baselines]
+    tracked = [e for e in evals if e["label"] not in baselines and e["label"] != "final_without_tools"]
     metric = phases.get("final", {}).get("score_metric") or (tracked[0].get("score_metric", "score") if tracked else "score")
     curves = {metric: ([(e["time"] - t0) / 60 for e in tracked], [e["score"] for e in tracked])}
     if tracked and "f1" in tracked[0]:
@@ -131,6 +150,11 @@ def write_report(run_dir: str | Path) -> Path:
                     cell = r.get(k, {}).get(v)
                     cells.append(f"{cell['score']:.3f} (n={cell['n']})" if cell else "")
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {r.get('calls_per_episode', 0.0):.2f} | {r['n']} |")
+    if phases.get("final_without_tools"):
+        r = phases["final_without_tools"]
+        lines += ["", f"The final policy with every tool disabled (same prompt, each call fails): {metric} "
+                      f"**{r['score']:.3f}** (n={r['n']}); near Base Tool Call's, the tasks are not answerable from memory."]
+    lines += failure_table([*rows, ("After RL, tools disabled", phases.get("final_without_tools"))])
     if base.get("base_tool_call") and phases.get("final"):
         lines += ["", f"{metric} gain over Base Tool Call: **{phases['final']['score'] - base['base_tool_call']['score']:+.3f}**"]
     if sft_phase and phases.get("final"):

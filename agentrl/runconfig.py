@@ -77,6 +77,11 @@ class EvalConfig:
     """Held-out evaluation interval during RL, seconds of wall-clock."""
     baselines: bool = True
     """Also evaluate the environment's baselines once, before training (QA: Naive RAG)."""
+    without_tools: bool = True
+    """After the final evaluation, evaluate the final policy once more with every tool disabled (same
+    prompt, each call fails): a score near Base Tool Call's says the tasks are not learnable without
+    the tools. A diagnostic after the budget: not counted in `minutes` nor in minutes_after_setup.
+    Native episodes only (an `[agent]` program brings its own tool calls)."""
     in_budget: bool = True
     """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
     (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares

@@ -102,6 +102,8 @@ class Supervisor:
         self.progress = progress
         self.deadline = 0.0
         self.setup_s = 0.0
+        self.diagnostic_s = 0.0
+        """Seconds of evaluations after the budget (eval.without_tools), left out of minutes_after_setup."""
         self.eval_episodes = None
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
 
@@ -230,6 +232,13 @@ class Supervisor:
             self._log_eval(summary, trajs)
             _write_sample(self.out / "trajectories_final.jsonl", trajs[:8], conn.chat)
             self._phase_done("final", summary)
+            if cfg.eval.without_tools and not cfg.agent.enabled and "final_without_tools" not in self.phases:
+                self._phase("evaluation without tools")
+                t1 = time.monotonic()
+                summary, trajs = await evaluate(conn, self.heldout, "final_without_tools", env=conn.env.with_tools_disabled())
+                self._log_eval(summary, trajs)
+                self._phase_done("final_without_tools", summary)
+                self.diagnostic_s += time.monotonic() - t1
         return self.phases
 
     def _write_prompt(self) -> None:
@@ -544,7 +553,7 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         "optimizer_steps": rl_metrics.get("step", 0),
         "learner_restarts": phases.get("rl", {}).get("learner_restarts", 0),
         "minutes": round((time.time() - started) / 60, 2),
-        "minutes_after_setup": round((time.time() - started - supervisor.setup_s) / 60, 2),
+        "minutes_after_setup": round((time.time() - started - supervisor.setup_s - supervisor.diagnostic_s) / 60, 2),
         "report": str(report),
         "hf": str(hf),
         "out": str(out),
@@ -560,6 +569,8 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
             if key in s:
                 summary[f"{final['score_metric']}_{label}_{name}"] = {v: round(c["score"], 4) for v, c in s[key].items()}
                 summary[f"calls_{label}_{name}"] = {v: round(c["calls_per_episode"], 3) for v, c in s[key].items()}
+    if "final_without_tools" in phases:
+        summary[f"{final['score_metric']}_after_without_tools"] = round(phases["final_without_tools"]["score"], 4)
     if "score" in sft:
         paired = paired_comparison(eval_records(out, "sft", sft), eval_records(out, "final", final))
         if paired:

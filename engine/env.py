@@ -47,6 +47,7 @@ once and appended. So `decode(state.token_ids) == render(state.messages)`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -293,6 +294,15 @@ class ToolEnv:
         self.tools[tool.name] = tool
         self._validators[tool.name] = validator_cls(tool.parameters)
         self._prefix_ids = None
+
+    def with_tools_disabled(self) -> ToolEnv:
+        """This environment with every tool but the finish tool replaced by a `DisabledTool`: same
+        prompt, same reward, each call fails (the tool-disabled evaluation)."""
+        from agentrl.engine.tools import DisabledTool
+
+        env = copy.copy(self)
+        env.tools = {name: tool if name == self.config.finish_tool else DisabledTool(tool) for name, tool in self.tools.items()}
+        return env
 
     async def call_tool(self, name: str, arguments: dict) -> ToolResult:
         """Run one registered tool as an episode would, for a caller outside the episode loop (an

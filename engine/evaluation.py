@@ -9,7 +9,8 @@ served at its start.
 A summary holds `score` (the mean of the environment's `score_metric`), the mean of every episode
 metric the environment reports (QA: em, f1), counts, turns and tool calls per episode, and, for
 each metadata key in the environment's `report_by`, the same broken down by its values
-(`by_<key>`: {value: {"score", "n", "calls_per_episode"}}; QA also keeps `em_<n>hop`).
+(`by_<key>`: {value: {"score", "n", "calls_per_episode", and each reported metric}}; QA also keeps
+`em_<n>hop`, and its failure labels give the share of each kind of failure by hop count).
 
 With `episodes` (an `[agent]` run's runner, agentrl.gateway.agents, whose gateway samples
 greedily), the held-out tasks are the agent program's episodes instead of native ones, so the score
@@ -83,7 +84,8 @@ def summarize(label: str, env, tasks: list[Task], trajectories: list, **extra) -
         if len(groups) < 2:
             continue
         summary[f"by_{key}"] = {value: {"score": _mean([t.metrics.get(metric, 0.0) for t in sel]), "n": len(sel),
-                                        "calls_per_episode": _mean([t.metrics.get("num_tool_calls", 0.0) for t in sel])}
+                                        "calls_per_episode": _mean([t.metrics.get("num_tool_calls", 0.0) for t in sel]),
+                                        **{k: _mean([t.metrics.get(k, 0.0) for t in sel]) for k in reported}}
                                 for value, sel in sorted(groups.items())}
         if key == "num_hops":
             for value, sel in sorted(groups.items()):

@@ -9,12 +9,23 @@ aliases, metadata = num_hops, source, supporting passage ids, gold search querie
     first messages       "Question: <question>"
     end of the episode   <answer>...</answer>
     reward               exact match (or F1, `task_metric`) of the answer against the gold answers,
-                         with the SQuAD / HotpotQA normalisation (metrics.py); metrics em and f1
+                         with the SQuAD / HotpotQA normalisation (metrics.py); metrics em and f1;
+                         optionally a `retrieval` process term (below)
+    failure labels       for a wrong episode, metrics fail_truncated, fail_stopped_early,
+                         fail_intermediate, fail_query, fail_retrieved (see `failure_labels`)
     demonstration        one search per gold query, then the gold answer (synthetic tasks)
     baselines            Naive RAG: one retrieval with the question, the passages in the prompt,
                          one answer turn
 
 The held-out score is EM; scores are also reported by hop count.
+
+The retrieval term (`retrieval_reward` > 0) pays for finding the task's supporting passages, so
+an episode that chains a second, bridge-entity search is preferred over one that stops after the
+first even when both answers are wrong (a 2-hop group whose answers are all wrong otherwise
+carries no gradient: 97 of 104 such groups in the main job). It cannot be gamed by dumping:
+a passage counts only when a search ranks it among its first `retrieval_top_k` results (asking
+for top_k=50 buys nothing), and the credit is divided by max(hops, searches made), so every search
+beyond the hop count lowers it: value = retrieval_reward * found / max(hops, searches).
 """
 
 from __future__ import annotations
@@ -71,6 +82,15 @@ class QAOptions:
     """The task reward: "em" (exact match in {0, 1}) or "f1" (token F1)."""
     naive_rag_top_k: int = 3
     """Passages the Naive RAG baseline retrieves per question."""
+    retrieval_reward: float = 0.0
+    """Weight of the `retrieval` process term (module docstring); 0 = no term."""
+    retrieval_top_k: int = 3
+    """A supporting passage counts only when a search ranks it among its first this many results."""
+
+    def __post_init__(self) -> None:
+        if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
+            raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
+                             f"{self.retrieval_reward} and {self.retrieval_top_k}")
 
 
 class MultiHopQAEnv(ToolEnv):
@@ -88,10 +108,15 @@ class MultiHopQAEnv(ToolEnv):
 
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         if episode.answer is None:
-            return Reward(0.0, {"em": 0.0, "f1": 0.0})
-        answer = episode.answer if isinstance(episode.answer, str) else str(episode.answer)
-        em, f1 = exact_match(answer, answers(task)), f1_score(answer, answers(task))
-        return Reward(em if self.options.task_metric == "em" else f1, {"em": em, "f1": f1})
+            em = f1 = 0.0
+        else:
+            answer = episode.answer if isinstance(episode.answer, str) else str(episode.answer)
+            em, f1 = exact_match(answer, answers(task)), f1_score(answer, answers(task))
+        metrics = {"em": em, "f1": f1, **failure_labels(task, episode, em, self.options.retrieval_top_k)}
+        terms = {}
+        if self.options.retrieval_reward > 0 and task.metadata.get("supporting_ids"):
+            terms["retrieval"] = self.options.retrieval_reward * retrieval_credit(task, episode, self.options.retrieval_top_k)
+        return Reward(em if self.options.task_metric == "em" else f1, metrics, terms)
 
     def demonstration(self, task: Task) -> list[str] | None:
         queries = task.metadata.get("gold_queries") or []
@@ -107,6 +132,58 @@ class MultiHopQAEnv(ToolEnv):
                           self.options, parser=self.parser)
         await rag.retrieve(self.tools["search"], tasks, self.options.naive_rag_top_k)
         return {"naive_rag": rag}
+
+
+def _searches(episode: EpisodeState) -> list:
+    return [c for c in episode.calls if c.name == "search"]
+
+
+def retrieved_ids(episode: EpisodeState, top_k: int) -> set[str]:
+    """Ids of the passages the episode's searches ranked among their first `top_k` results."""
+    found = set()
+    for call in _searches(episode):
+        if call.success and isinstance(call.content, list):
+            found.update(hit["id"] for hit in call.content[:top_k] if isinstance(hit, dict) and "id" in hit)
+    return found
+
+
+def retrieval_credit(task: Task, episode: EpisodeState, top_k: int) -> float:
+    """found / max(hops, searches) in [0, 1] (module docstring)."""
+    supporting = set(task.metadata.get("supporting_ids") or [])
+    if not supporting:
+        return 0.0
+    found = len(supporting & retrieved_ids(episode, top_k))
+    return found / max(len(supporting), len(_searches(episode)))
+
+
+FAILURE_LABELS = ("fail_truncated", "fail_stopped_early", "fail_intermediate", "fail_query", "fail_retrieved")
+"""Why a wrong episode was wrong (each 0 or 1; more than one can hold):
+fail_truncated      ended without an answer (turn or token limit)
+fail_stopped_early  answered after fewer searches than the question has hops
+fail_intermediate   answered with a bridge entity (an intermediate hop's answer)
+fail_query          searched at least once per hop (or repeated a query) but some supporting
+                    passage was never among a search's first top-k results
+fail_retrieved      every supporting passage was retrieved, the answer is still wrong"""
+
+
+def failure_labels(task: Task, episode: EpisodeState, em: float, top_k: int) -> dict[str, float]:
+    """The FAILURE_LABELS of a finished episode; all 0 for a right one (or without supporting ids)."""
+    labels = dict.fromkeys(FAILURE_LABELS, 0.0)
+    supporting = set(task.metadata.get("supporting_ids") or [])
+    if em >= 1.0 or not supporting:
+        return labels
+    searches = _searches(episode)
+    all_found = supporting <= retrieved_ids(episode, top_k)
+    if episode.answer is None:
+        labels["fail_truncated"] = 1.0
+    else:
+        labels["fail_stopped_early"] = float(len(searches) < num_hops(task))
+        bridges = task.metadata.get("intermediate_answers") or []
+        labels["fail_intermediate"] = exact_match(str(episode.answer), bridges) if bridges else 0.0
+    repeated = any(c.repeated for c in searches)
+    labels["fail_query"] = float(not all_found and (len(searches) >= num_hops(task) or repeated))
+    labels["fail_retrieved"] = float(all_found and episode.answer is not None)
+    return labels
 
 
 class NaiveRAGEnv(MultiHopQAEnv):

@@ -58,6 +58,18 @@ class Tool(ABC):
     async def execute(self, arguments: dict, timeout_s: float | None = None) -> ToolResult: ...
 
 
+class DisabledTool(Tool):
+    """Stands where `tool` was, with its name and schema (the prompt does not change), and fails
+    every call saying it is disabled: the tool-disabled evaluation, which asks whether the policy
+    answers from the tool's results or from what it memorised about the tasks."""
+
+    def __init__(self, tool: Tool):
+        self.name, self.description, self.parameters, self.idempotent = tool.name, tool.description, tool.parameters, True
+
+    async def execute(self, arguments: dict, timeout_s: float | None = None) -> ToolResult:
+        return ToolResult(None, False, 0.0, f"the tool {self.name!r} is disabled in this evaluation")
+
+
 class FunctionTool(Tool):
     """A Python callable as a tool: `fn(**arguments)` returns the content; an exception is a failed
     result whose message the model sees (the callable's own bug is the tool's failure, not the

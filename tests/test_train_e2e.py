@@ -163,12 +163,22 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     assert all(state["ledger"]["trained"][gid] <= final_step for gid in seen)
     # The servers serve what the learner trained (a version of the RL lineage).
     evals = [json.loads(x) for x in (out / "evals.jsonl").read_text().splitlines()]
-    assert evals[-1]["label"] == "final" and evals[-1]["served_version"] > 2
+    final = next(e for e in reversed(evals) if e["label"] == "final")
+    assert final["served_version"] > 2
     # Every evaluation episode's whole text is kept, compressed.
-    final_texts = out / "evals" / f"final-v{evals[-1]['served_version']}.text.jsonl.gz"
+    final_texts = out / "evals" / f"final-v{final['served_version']}.text.jsonl.gz"
     with gzip.open(final_texts, "rt") as f:
         episodes = [json.loads(line) for line in f]
-    assert len(episodes) == evals[-1]["n"] and all(e["text"].startswith("<|im_start|>system") for e in episodes)
+    assert len(episodes) == final["n"] and all(e["text"].startswith("<|im_start|>system") for e in episodes)
+    # Then the same policy once more with its tools disabled: every call failed, none was answered.
+    assert evals[-1]["label"] == "final_without_tools" and summary["em_after_without_tools"] == round(evals[-1]["em"], 4)
+    with gzip.open(out / "evals" / f"final_without_tools-v{final['served_version']}.text.jsonl.gz", "rt") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    assert len(texts) == final["n"]
+    episode_parts = [t.rsplit("Question: ", 1)[1] for t in texts]  # after the worked example's tool responses
+    assert all(p.count("disabled in this evaluation") == p.count("<tool_response>") for p in episode_parts)
+    assert "fail_stopped_early" in final and "fail_truncated" in final
+    assert "tools disabled" in Path(summary["report"]).read_text()
 
     # The run's end exported the policy; evaluated alone (a fresh server, the run's config from the
     # folder), it scores what the run's final evaluation did.
@@ -177,4 +187,4 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
                                capture_output=True, text=True, timeout=900)
     assert eval_proc.returncode == 0, eval_proc.stderr[-3000:]
     exported = json.loads(eval_proc.stdout.strip().splitlines()[-1])
-    assert exported["n"] == evals[-1]["n"] and exported["em"] == evals[-1]["em"], (exported, evals[-1])
+    assert exported["n"] == final["n"] and exported["em"] == final["em"], (exported, final)

@@ -1,0 +1,154 @@
+"""Multi-hop QA: the retrieval process term and its anti-gaming rules, the failure labels, the
+tool-disabled evaluation's environment, and their per-hop summaries (scripted episodes through the
+real environment and a real BM25 index over the synthetic world; no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.common.model import prepare_model
+from agentrl.engine.chat import ChatFormat
+from agentrl.engine.env import CallRecord, EnvConfig
+from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
+from agentrl.engine.evaluation import summarize
+from agentrl.engine.qa import FAILURE_LABELS, MultiHopQAEnv, QAOptions, retrieval_credit
+from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+from agentrl.engine.tools import LocalSearchTool
+from agentrl.report import failure_table
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatFormat(AutoTokenizer.from_pretrained(prepare_model()))
+
+
+@pytest.fixture(scope="module")
+def world_tasks():
+    return synthetic_tasks(split="heldout", num=16, hops=(1, 2), config=SyntheticQAConfig(num_companies=60))
+
+
+def make_env(chat, world, **options) -> MultiHopQAEnv:
+    env = MultiHopQAEnv(chat, EnvConfig(max_turns=5), QAOptions(**options))
+    env.register_tool(LocalSearchTool(world.passages))
+    return env
+
+
+def search(query: str, top_k: int | None = None) -> str:
+    args = f'"query": "{query}"' + (f', "top_k": {top_k}' if top_k else "")
+    return f'<tool_call>{{"name": "search", "arguments": {{{args}}}}}</tool_call>'
+
+
+def answer(text: str) -> str:
+    return f"<answer>{text}</answer>"
+
+
+async def play(env, task, actions):
+    return await run_episode(env, task, ScriptedPolicy(env, actions), SamplingConfig(), group_id="g")
+
+
+def two_hop(tasks):
+    return next(t for t in tasks if t.metadata["num_hops"] == 2)
+
+
+async def test_retrieval_term_pays_for_the_second_hop_and_not_for_dumping(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, retrieval_reward=0.4)
+    task = two_hop(tasks)
+    q1, q2 = task.metadata["gold_queries"]
+    bridge = task.metadata["intermediate_answers"][0]
+
+    chained = await play(env, task, [search(q1), search(q2), answer("nobody")])
+    stopped = await play(env, task, [search(q1), answer(bridge)])
+    padded = await play(env, task, [search(q1), search(q2), search("weather"), search(q2 + " again"), answer("nobody")])
+    right = await play(env, task, [search(q1), search(q2), answer(task.reference[0])])
+    term = {name: t.turns[-1].process_rewards["retrieval"] for name, t in
+            (("chained", chained), ("stopped", stopped), ("padded", padded), ("right", right))}
+    # Both wrong, yet the episode that chained the bridge search is paid more than the one that stopped.
+    assert chained.metrics["em"] == stopped.metrics["em"] == 0.0
+    assert term["chained"] == pytest.approx(0.4) and term["stopped"] == pytest.approx(0.2)
+    # Every search beyond the hop count lowers the credit: 2 found / 4 searches.
+    assert term["padded"] == pytest.approx(0.2) and term["padded"] < term["chained"]
+    assert term["right"] == pytest.approx(0.4) and right.metrics["em"] == 1.0
+    # The term is recorded on the last turn only, once.
+    assert all("retrieval" not in t.process_rewards for t in chained.turns[:-1])
+    # Off by default: the main job's rewards are unchanged unless the option is set.
+    plain = await play(make_env(chat, world), task, [search(q1), search(q2), answer("nobody")])
+    assert "retrieval" not in plain.turns[-1].process_rewards
+
+
+def test_retrieval_credit_counts_only_the_first_top_k_results(world_tasks):
+    _, tasks = world_tasks
+    task = two_hop(tasks)
+    first, second = task.metadata["supporting_ids"]
+
+    class Episode:
+        def __init__(self, calls):
+            self.calls = calls
+
+    def hits(*ids):
+        return [{"id": i, "title": i, "text": ""} for i in ids]
+
+    # Asking for many results buys nothing: the second passage at rank 4 does not count.
+    dump = Episode([CallRecord(0, "search", {"query": "x", "top_k": 10}, True, hits(first, "a", "b", second, "c"))])
+    assert retrieval_credit(task, dump, top_k=3) == pytest.approx(0.5)
+    assert retrieval_credit(task, dump, top_k=5) == pytest.approx(1.0)
+    # A failed search and another tool's output never count; repeats count as searches made.
+    other = Episode([CallRecord(0, "search", {"query": "x"}, False, None, "timeout"),
+                     CallRecord(1, "python", {"code": "x"}, True, hits(first, second))])
+    assert retrieval_credit(task, other, top_k=3) == 0.0
+    repeated = Episode([CallRecord(0, "search", {"query": "x"}, True, hits(first)),
+                        CallRecord(1, "search", {"query": "x"}, True, hits(first), repeated=True),
+                        CallRecord(2, "search", {"query": "y"}, True, hits(second))])
+    assert retrieval_credit(task, repeated, top_k=3) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="retrieval"):
+        QAOptions(retrieval_reward=-1.0)
+
+
+async def test_failure_labels_name_why_a_multi_hop_answer_is_wrong(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world)
+    task = two_hop(tasks)
+    q1, q2 = task.metadata["gold_queries"]
+    bridge = task.metadata["intermediate_answers"][0]
+
+    def labels(traj):
+        return {k.removeprefix("fail_") for k in FAILURE_LABELS if traj.metrics[k] == 1.0}
+
+    assert labels(await play(env, task, [search(q1), answer(bridge)])) == {"stopped_early", "intermediate"}
+    assert labels(await play(env, task, [search(q1), search(q1), answer("x")])) == {"query"}
+    assert labels(await play(env, task, [search(q1), search("weather"), answer("x")])) == {"query"}
+    assert labels(await play(env, task, [search(q1), search(q2), answer("x")])) == {"retrieved"}
+    assert labels(await play(env, task, [search(q1)] + [search(f"more {i}") for i in range(4)])) == {"truncated", "query"}
+    assert labels(await play(env, task, [search(q1), search(q2), answer(task.reference[0])])) == set()
+
+
+async def test_tool_disabled_environment_keeps_the_prompt_and_fails_every_call(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world)
+    disabled = env.with_tools_disabled()
+    task = two_hop(tasks)
+    assert disabled.reset(task).token_ids == env.reset(task).token_ids
+    traj = await play(disabled, task, [search(task.metadata["gold_queries"][0]), answer("x")])
+    text = chat.decode(traj.token_ids.tolist())
+    assert "disabled in this evaluation" in text and "[1]" not in text.split("disabled in this evaluation")[1]
+    assert traj.metrics["fail_stopped_early"] == 1.0  # no search succeeded
+    # The original environment still searches.
+    again = await play(env, task, [search(task.metadata["gold_queries"][0]), answer("x")])
+    assert "disabled" not in chat.decode(again.token_ids.tolist())
+
+
+async def test_per_hop_summary_and_report_carry_the_failure_shares(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world)
+    one_hop = [t for t in tasks if t.metadata["num_hops"] == 1][:2]
+    two = [t for t in tasks if t.metadata["num_hops"] == 2][:2]
+    trajs = [await play(env, t, [search(t.metadata["gold_queries"][0]), answer(t.reference[0])]) for t in one_hop]
+    trajs += [await play(env, t, [search(t.metadata["gold_queries"][0]), answer(t.metadata["intermediate_answers"][0])])
+              for t in two]
+    summary = summarize("final", env, one_hop + two, trajs)
+    assert summary["by_num_hops"]["1"]["score"] == 1.0 and summary["by_num_hops"]["1"]["fail_stopped_early"] == 0.0
+    assert summary["by_num_hops"]["2"]["score"] == 0.0 and summary["by_num_hops"]["2"]["fail_intermediate"] == 1.0
+    table = "\n".join(failure_table([("After RL (final)", summary)]))
+    assert "| After RL (final) | 2 | 2 | 0.000 | 1.00 | 0.00 | 0.00 | 1.00 | 0.00 |" in table
+    assert "| intermediate | query | retrieved | stopped_early | truncated |" in table
