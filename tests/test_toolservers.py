@@ -125,7 +125,8 @@ async def test_calculator_refuses_huge_work_before_doing_it(calculator, expressi
     async with ToolClient([calculator.endpoint], max_request_bytes=4096) as client:
         resp = await client.call("calculator", {"expression": expression})
     assert not resp.ok and resp.error.type == "tool_error" and fragment in resp.error.message, resp.error
-    assert resp.server_latency_s < 0.05, resp.server_latency_s
+    # Refused before the work: computing it takes 1.3 s; 0.5 s leaves room for a loaded machine.
+    assert resp.server_latency_s < 0.5, resp.server_latency_s
 
 
 async def test_calculator_prints_results_past_pythons_4300_digit_limit(calculator):
