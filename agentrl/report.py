@@ -57,6 +57,24 @@ def paired_comparison(before: dict[str, float], after: dict[str, float]) -> dict
     return {"n": len(common), "gained": gained, "lost": lost, "p_value": min(1.0, 2 * tail)}
 
 
+def paired_by(run: Path, before: tuple[str, dict], after: tuple[str, dict]) -> dict[str, dict[str, dict]]:
+    """`paired_comparison` of two evaluations within each group of the tasks' `report_by` metadata
+    (recorded per task under "group"): {key: {value: comparison}}, e.g. {"num_hops": {"2": ...}}."""
+    rows = {label: read_jsonl(run / "evals" / f"{label}-v{summary.get('served_version')}.jsonl") for label, summary in (before, after)}
+    groups: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for label, records in rows.items():
+        for r in records:
+            for key, value in r.get("group", {}).items():
+                groups.setdefault(key, {}).setdefault(value, {}).setdefault(label, {})[r["task_id"]] = r["score"]
+    out: dict[str, dict[str, dict]] = {}
+    for key, values in groups.items():
+        for value, by_label in sorted(values.items()):
+            paired = paired_comparison(by_label.get(before[0], {}), by_label.get(after[0], {}))
+            if paired is not None and len(values) > 1:
+                out.setdefault(key, {})[value] = paired
+    return out
+
+
 def failure_table(rows: list[tuple[str, dict | None]]) -> list[str]:
     """Markdown: for each policy and hop count (`by_num_hops`), the share of episodes with each
     failure label the environment reports (metrics `fail_*`, e.g. engine/qa.py FAILURE_LABELS);
@@ -164,6 +182,10 @@ def write_report(run_dir: str | Path) -> Path:
             lines.append(f"Question by question (same {paired['n']} held-out questions): RL right where SFT was wrong "
                          f"{paired['gained']}, SFT right where RL is wrong {paired['lost']}; exact two-sided sign test "
                          f"p = {paired['p_value']:.3g}.")
+        for key, by_value in paired_by(run, ("sft", sft_phase), ("final", phases["final"])).items():
+            for value, p in by_value.items():
+                lines.append(f"- {key.removeprefix('num_')} = {value} ({p['n']} questions): RL gained {p['gained']}, "
+                             f"lost {p['lost']}, p = {p['p_value']:.3g}")
     if rl:
         total_wait = sum(r.get("time/wait_s", 0) for r in rl)
         total_compute = sum(r.get("time/compute_s", 0) for r in rl)

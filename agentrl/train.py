@@ -133,10 +133,14 @@ class Supervisor:
             folder.mkdir(exist_ok=True)
             name = f"{summary['label']}-v{summary['served_version']}.jsonl"
             metric = summary["score_metric"]
+            report_by = self.conn.env.report_by if self.conn is not None else ()
+            metadata = {t.task_id: t.metadata for t in self.heldout}
             with open(folder / name, "w") as f:
                 for t in sorted(trajectories, key=lambda t: t.task_id):
+                    meta = metadata.get(t.task_id, {})
                     f.write(json.dumps({"task_id": t.task_id, "score": t.metrics.get(metric, 0.0), "status": t.status,
-                                        **{k: v for k, v in t.metrics.items() if "/" not in k}}) + "\n")
+                                        **{k: v for k, v in t.metrics.items() if "/" not in k},
+                                        "group": {k: str(meta[k]) for k in report_by if k in meta}}) + "\n")
             if self.conn is not None:  # every episode's text, for reading failures (gzip: ~10x smaller)
                 write_episode_texts(folder / name.replace(".jsonl", ".text.jsonl.gz"), trajectories, self.conn.chat)
         if self.progress is not None:
@@ -536,7 +540,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, out: Path, fresh: bool, 
 def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: float) -> dict:
     """Export the policy, write the report, and the run's summary (the JSON line)."""
     from agentrl.export import export
-    from agentrl.report import eval_records, paired_comparison, write_report
+    from agentrl.report import eval_records, paired_by, paired_comparison, write_report
 
     hf = export(out, out / "hf")
     report = write_report(out)
@@ -576,6 +580,9 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         if paired:
             summary |= {"rl_vs_sft_gained": paired["gained"], "rl_vs_sft_lost": paired["lost"],
                         "rl_vs_sft_p_value": round(paired["p_value"], 4)}
+        for key, by_value in paired_by(out, ("sft", sft), ("final", final)).items():
+            summary[f"rl_vs_sft_by_{key.replace('num_', '')}"] = {
+                v: {"gained": p["gained"], "lost": p["lost"], "p_value": round(p["p_value"], 4)} for v, p in by_value.items()}
     return summary
 
 

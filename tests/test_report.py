@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agentrl.report import paired_comparison, write_report
+from agentrl.report import paired_by, paired_comparison, write_report
 
 
 def test_paired_comparison_counts_discordant_questions_and_sign_test():
@@ -31,10 +31,15 @@ def test_report_states_the_paired_comparison(tmp_path):
     (tmp_path / "evals").mkdir()
     for label, version, ems in (("sft", 12, [1, 0, 0, 0]), ("final", 30, [1, 1, 1, 0])):
         (tmp_path / "evals" / f"{label}-v{version}.jsonl").write_text(
-            "".join(json.dumps({"task_id": f"q{i}", "score": float(em)}) + "\n" for i, em in enumerate(ems)))
+            "".join(json.dumps({"task_id": f"q{i}", "score": float(em), "group": {"num_hops": str(1 + i // 2)}}) + "\n"
+                    for i, em in enumerate(ems)))
     text = write_report(tmp_path).read_text()
     assert "em gain of the RL phase over the SFT-only checkpoint: **+0.500**" in text
     # the score by hop count, per policy
     assert "| policy | em | f1 | em num_hops=1 | em num_hops=2 |" in text
     assert "| After RL (final) | 0.750 | 0.750 | 1.000 (n=2) | 0.500 (n=2) |" in text
     assert "RL right where SFT was wrong 2, SFT right where RL is wrong 0" in text and "p = 0.5" in text
+    # and the same sign test within each hop count: q0, q1 are 1-hop (q1 gained), q2, q3 2-hop (q2 gained)
+    assert "- hops = 1 (2 questions): RL gained 1, lost 0, p = 1" in text
+    assert "- hops = 2 (2 questions): RL gained 1, lost 0, p = 1" in text
+    assert paired_by(tmp_path, ("sft", phases["sft"]), ("final", phases["final"]))["num_hops"]["2"]["gained"] == 1
