@@ -293,3 +293,80 @@ def test_run_config_keys_go_in_learner_not_sft_learner(keys, tmp_path):
     with pytest.raises(ConfigError, match="sft.learner.curve_secret_key_file: set it in \\[learner\\]"):
         load_run_config(sets=[f'sft.learner.curve_secret_key_file="{keys.server_secret}"',
                               f'sft.learner.curve_authorized_clients_dir="{keys.clients}"'])
+
+
+# --- a real learner process ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_learner_process_with_keys_trains_only_what_authorized_actors_send(keys, tmp_path):
+    """`agentrl learner` with curve_* keys in its TOML: its version reaches an authorized subscriber
+    and not a stranger's, a stranger's group is never trained, an authorized actor's groups are."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from support.synthetic import tiny_llama
+
+    from agentrl.learner.metrics import read_metrics
+
+    vocab = 64
+    tiny_llama(vocab_size=vocab).save_pretrained(tmp_path / "model")
+    group_ep, version_ep, run_dir = endpoint(), endpoint(), tmp_path / "run"
+    config = tmp_path / "learner.toml"
+    config.write_text(f"""
+output_dir = "{run_dir}"
+model_dir = "{tmp_path / 'model'}"
+tokens_per_step = 100
+max_steps = 1
+publish_every = 0
+staleness_bound = 100
+group_endpoint = "{group_ep}"
+version_endpoint = "{version_ep}"
+curve_secret_key_file = "{keys.server_secret}"
+curve_authorized_clients_dir = "{keys.clients}"
+tensorboard = false
+progress_bar = false
+
+[trainer]
+precision = "fp32"
+max_row_tokens = 256
+""")
+
+    def group(gid: str, seed: int):  # 2 samples x 25 tokens: two groups fill a 100-token step
+        return make_group(gid, [1.0, 0.0], prompt_len=5, turns=[(8, 4), (8, 0)], vocab_size=vocab, seed=seed)
+
+    log_path = tmp_path / "learner.log"
+    with open(log_path, "ab") as log:
+        learner = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    actor, stranger = client_keys(keys, keys.actor_secret), client_keys(keys, keys.stranger_secret)
+    parts = [GroupSender(group_ep, curve=stranger), VersionSubscriber(version_ep, curve=stranger),
+             GroupSender(group_ep, curve=actor), VersionSubscriber(version_ep, curve=actor)]
+    bad_sender, eavesdropper, sender, subscriber = parts
+    send = None
+    try:
+        for _ in range(600):
+            if "READY" in log_path.read_text() or learner.poll() is not None:
+                break
+            await asyncio.sleep(0.2)
+        assert learner.poll() is None, log_path.read_text()
+        for part in parts:
+            await part.start()
+        send = await _send_refused(bad_sender, "stranger-0")
+        assert await subscriber.wait_until(lambda v: True, timeout_s=30) == (0, 0)
+        await asyncio.sleep(NOT_RECEIVED_S)
+        assert eavesdropper.latest is None and bad_sender.num_handshakes_refused == 1
+        for i in range(2):
+            await asyncio.wait_for(sender.send(group(f"ok-{i}", i)), 60)
+        assert await asyncio.to_thread(learner.wait, 120) == 0, log_path.read_text()
+    finally:
+        if send is not None:
+            send.cancel()
+        if learner.poll() is None:
+            os.killpg(learner.pid, signal.SIGKILL)
+        for part in parts:
+            await part.close()
+    assert sender.num_acked == 2 and bad_sender.num_acked == 0
+    assert sorted(gid for line in read_metrics(run_dir / "metrics.jsonl") for gid in line["group_ids"]) == ["ok-0", "ok-1"]
