@@ -23,6 +23,11 @@ default, then --config, then each --set; `--help` lists every key). Phases:
 5. final evaluation, the policy exported as a Hugging Face folder (RUN_DIR/hf), `report.md` with
    plots, and one JSON line last.
 
+The learners bind their sockets on loopback. CurveZMQ keys in `[learner]` (curve_secret_key_file,
+curve_authorized_clients_dir) switch it on for them; the supervisor then makes a client certificate
+for its actor and SFT stream in RUN_DIR/curve/ (`Supervisor._learner_curve`). Without keys it makes
+and passes none.
+
 Every process the supervisor starts is stopped by PID (SIGTERM, then SIGKILL of its process
 group) at the end, on Ctrl-C, and when anything fails.
 

@@ -21,8 +21,8 @@ from support.synthetic import make_group
 
 from agentrl.common.config import ConfigError, build, read_toml
 from agentrl.common.curve import load_client_keys
-from agentrl.common.transport import GROUP, GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 from agentrl.common.trajectory import encode_group
+from agentrl.common.transport import GROUP, GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 from agentrl.engine.actor import ActorConfig
 from agentrl.learner.config import LearnerConfig
 
