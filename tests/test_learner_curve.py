@@ -175,6 +175,25 @@ async def test_curve_keys_on_one_side_only_are_refused_by_the_client_too(keys):
         await receiver.close()
 
 
+async def test_a_wrong_server_key_gets_nothing_through_and_is_reported_as_failing_handshakes(keys):
+    """The client encrypts to a key that is not the learner's: the learner cannot read its hello, so
+    the connection drops mid-handshake and ZeroMQ retries it; nothing reaches the learner."""
+    cfg = learner_config(keys, group_endpoint=endpoint())
+    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
+    await receiver.start()
+    wrong = load_client_keys(keys.stranger_secret, keys.actor_secret)  # the stranger's public half as server key
+    sender = GroupSender(cfg.group_endpoint, curve=wrong)
+    await sender.start()
+    send = await _send_refused(sender, "g-wrong-server")
+    try:
+        await _never_received(receiver)
+        assert sender.num_handshakes_failed >= 2 and sender.num_handshakes_refused == 0  # retried, every ~130 ms
+    finally:
+        send.cancel()
+        await sender.close()
+        await receiver.close()
+
+
 # --- the configs -----------------------------------------------------------------------------------
 
 

@@ -7,16 +7,17 @@ Sockets (loopback by default):
 
 Security: the tool services' rule (agentrl/common/curve.py). On loopback or ipc:// keys are
 optional (plain text without them); off loopback the learner must hold CurveZMQ keys
-(`LearnerConfig` refuses the endpoint otherwise). With keys, the binding sockets take `curve=ServerKeys` (the learner's secret certificate and the
-directory of authorized client certificates; a ZAP authenticator thread per socket checks every
-handshake) and the connecting ones `curve=ClientKeys` (the learner's public key, the actor's own
-key pair). A connection whose handshake the learner refuses (an unknown client key, keys on one
-side only) carries nothing, and libzmq ends that connection for good (it does not reconnect after a
-refused handshake), so the learner never sees a frame of it. The connecting side logs the refusal
-and counts it in `num_handshakes_refused` (a handshake cut off midway, as by a learner restart or a server key
-that is not the learner's, is counted in `num_handshakes_failed`, and ZeroMQ reconnects); its owner decides what to do (the actor exits: a
-refused key is a configuration error, and a sender or subscriber left without a connection would
-wait forever).
+(`LearnerConfig` refuses the endpoint otherwise). With keys, the binding sockets take
+`curve=ServerKeys` (the learner's secret certificate and the directory of authorized client
+certificates; a ZAP authenticator thread per socket checks every handshake) and the connecting
+ones `curve=ClientKeys` (the learner's public key, the actor's own key pair). A connection whose
+handshake the learner refuses (an unknown client key, keys on one side only) carries nothing, and
+libzmq ends it for good (no reconnect after a refused handshake), so the learner never sees a frame
+of it. The connecting side logs the refusal and counts it in `num_handshakes_refused`; its owner
+decides what to do (the actor exits: a refused key is a configuration error, and a sender or
+subscriber left without a connection would wait forever). A handshake cut off midway (a learner
+restart, or a server key that is not the learner's) is counted in `num_handshakes_failed`, and
+ZeroMQ reconnects as usual.
 
 Messages. Group: [b"group", *trajectory.encode_group(group)] (msgpack header + raw numpy frames).
 Ack: [b"ack", group_id utf-8]. Nack: [b"nack", group_id utf-8 (empty when the message named no
