@@ -48,6 +48,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
 SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "group_endpoint", "version_endpoint",
                            "init_checkpoint", "seed", "progress_bar")
 """LearnerConfig fields `agentrl train` fills in per phase; a config that sets them is refused."""
+CURVE_LEARNER_KEYS = ("curve_secret_key_file", "curve_authorized_clients_dir")
+"""LearnerConfig fields a run takes from [learner] only (agentrl/train.py `_learner_curve`)."""
 
 
 @config_dataclass
@@ -197,6 +199,10 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         for key in SUPERVISOR_LEARNER_KEYS:
             if key in given:
                 problems.append(f"{at(*section.split('.'), key)}: set by agentrl train for each phase; remove it")
+    for key in CURVE_LEARNER_KEYS:
+        if key in data.get("sft", {}).get("learner", {}):
+            problems.append(f"{at('sft', 'learner', key)}: set it in [learner]: the SFT and RL learners share their "
+                            "CurveZMQ keys, and the run hands its clients the matching ones")
     try:  # the SFT learner: [sft.learner] layered over [learner]
         build(LearnerConfig, layer(_without(data.get("learner", {})), _without(data.get("sft", {}).get("learner", {}))),
               origins=origins, default_source=source, prefix=("sft", "learner"))

@@ -23,6 +23,11 @@ default, then --config, then each --set; `--help` lists every key). Phases:
 5. final evaluation, the policy exported as a Hugging Face folder (RUN_DIR/hf), `report.md` with
    plots, and one JSON line last.
 
+The learners bind their sockets on loopback. CurveZMQ keys in `[learner]` (curve_secret_key_file,
+curve_authorized_clients_dir) switch it on for them; the supervisor then makes a client certificate
+for its actor and SFT stream in RUN_DIR/curve/ (`Supervisor._learner_curve`). Without keys it makes
+and passes none.
+
 Every process the supervisor starts is stopped by PID (SIGTERM, then SIGKILL of its process
 group) at the end, on Ctrl-C, and when anything fails.
 
@@ -55,6 +60,9 @@ from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
 from agentrl.progress import Progress
 from agentrl.runconfig import DEFAULT_CONFIG, TrainConfig, config_data, load_run_config, schema_text
+
+RUN_CLIENT = "agentrl-run"
+"""Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
 
 
 def _agentrl(*args: str) -> list[str]:
@@ -106,6 +114,8 @@ class Supervisor:
         """Seconds of evaluations after the budget (eval.without_tools), left out of minutes_after_setup."""
         self.eval_episodes = None
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
+        self._curve: tuple[dict, dict] | None = None
+        """(learner keys, client keys) of the learners' sockets (`_learner_curve`), made once."""
 
     # -- bookkeeping
     def say(self, line: str) -> None:
@@ -172,9 +182,50 @@ class Supervisor:
             self.services.stop()
 
     # -- learner / actor processes
+    def _learner_curve(self) -> tuple[dict, dict]:
+        """CurveZMQ on the learners' sockets when `[learner]` names keys: (learner config keys, the
+        client keys of the actor and of the SFT stream); ({}, {}) without keys, and nothing is made.
+
+        The learners bind on loopback either way. With keys, the run makes a client certificate for
+        its own connections (RUN_DIR/curve/agentrl-run.key_secret, kept across --resume) and the learners
+        admit it besides the `*.key` of [learner] curve_authorized_clients_dir (both copied into
+        RUN_DIR/curve/clients); the clients get the public half of [learner] curve_secret_key_file
+        (RUN_DIR/curve/learner.key), never the secret file."""
+        if self._curve is not None:
+            return self._curve
+        keys = self.config.learner.curve_keys()
+        if keys is None:
+            self._curve = ({}, {})
+            return self._curve
+        import zmq.auth
+
+        from agentrl.common.curve import write_public_certificate
+
+        folder = self.out / "curve"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        client_secret = folder / f"{RUN_CLIENT}.key_secret"
+        if not client_secret.exists():
+            zmq.auth.create_certificates(folder, RUN_CLIENT)
+            client_secret.chmod(0o600)  # create_certificates leaves it to the umask
+        given = sorted(Path(keys.authorized_clients_dir).glob("*.key"))
+        if any(cert.name == f"{RUN_CLIENT}.key" for cert in given):
+            raise ConfigError(f"learner.curve_authorized_clients_dir: {keys.authorized_clients_dir} holds a {RUN_CLIENT}.key, "
+                              "the name of the run's own client certificate; rename it")
+        clients = folder / "clients"
+        shutil.rmtree(clients, ignore_errors=True)
+        clients.mkdir()
+        for cert in [*given, folder / f"{RUN_CLIENT}.key"]:
+            shutil.copyfile(cert, clients / cert.name)
+        server_public = folder / "learner.key"
+        write_public_certificate(server_public, keys.public_key)
+        self._curve = ({"curve_authorized_clients_dir": str(clients)},
+                       {"curve_server_key": str(server_public), "curve_client_key": str(client_secret)})
+        return self._curve
+
     def _learner_config(self, phase: str, overrides: dict) -> tuple[Path, dict]:
         data = {
             **layer(to_dict(self.config.learner), overrides),
+            **self._learner_curve()[0],
             "output_dir": str(self.out / phase),
             "mode": "sft" if phase == "sft" else "rl",
             "model_dir": self.model_dir,
@@ -190,6 +241,29 @@ class Supervisor:
 
         check_runnable(load_config(path), str(path))  # the learner's own rules, in the supervisor
         return path, data
+
+    def _actor_config(self, learner_data: dict) -> Path:
+        """Write RUN_DIR/actor.toml: the actor-side sections of the run, the services, and the
+        learner's endpoints (with the run's client keys when the learner uses CurveZMQ)."""
+        cfg = self.config
+        actor_cfg = {
+            "vllm": self.services.vllm_urls,
+            "remote_tools": to_dict(self.services.remote),
+            "local_tools": to_dict(self.services.local),
+            "model_dir": self.model_dir,
+            "group_endpoint": learner_data["group_endpoint"],
+            "version_endpoint": learner_data["version_endpoint"],
+            **self._learner_curve()[1],
+            "max_group_frame_bytes": cfg.learner.max_group_frame_bytes,
+            "out_dir": str(self.out / "actor"),
+            "tasks": to_dict(cfg.tasks),
+            "env": to_dict(cfg.env),
+            "orchestrator": to_dict(cfg.orchestrator),
+            "agent": to_dict(cfg.agent),
+        }
+        path = self.out / "actor.toml"
+        path.write_text(dump_toml(actor_cfg))
+        return path
 
     def _start(self, name: str, argv: list[str]) -> ChildProcess:
         proc = ChildProcess(name, argv, log_path=self.out / "logs" / f"{name}.log").start()
@@ -256,6 +330,7 @@ class Supervisor:
         write_atomic(self.out / PROMPT_FILE, json.dumps(prompt, indent=1).encode())
 
     async def _sft_phase(self) -> None:
+        from agentrl.common.curve import load_client_keys
         from agentrl.common.trajectory import TrajectoryGroup
         from agentrl.common.transport import GroupSender
         from agentrl.engine.demonstrations import read_demonstrations
@@ -281,7 +356,9 @@ class Supervisor:
                                             "checkpoint_every": cfg.sft.steps})
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
-        sender = GroupSender(data["group_endpoint"], max_unacked=8, max_frame_bytes=self.config.learner.max_group_frame_bytes)
+        client = self._learner_curve()[1]
+        sender = GroupSender(data["group_endpoint"], max_unacked=8, max_frame_bytes=self.config.learner.max_group_frame_bytes,
+                             curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))
         await sender.start()
         t0 = time.perf_counter()
         epoch = 0
@@ -298,6 +375,10 @@ class Supervisor:
                         if learner.poll() is not None:
                             send.cancel()
                             break
+                        if sender.num_handshakes_refused:  # not retried by ZeroMQ: nothing would ever go through
+                            send.cancel()
+                            raise RuntimeError(f"the SFT learner refused this run's CurveZMQ key ({self.out / 'curve'}); "
+                                               f"its log: {learner.log_path}")
                 epoch += 1
         finally:
             await sender.close(timeout_s=2.0)
@@ -314,22 +395,7 @@ class Supervisor:
         if cfg.sft.enabled and not self.phases.get("sft", {}).get("skipped"):
             overrides["init_checkpoint"] = str(self.out / "sft" / "checkpoints")
         config_path, data = self._learner_config("rl", overrides)
-        actor_cfg = {
-            "vllm": self.services.vllm_urls,
-            "remote_tools": to_dict(self.services.remote),
-            "local_tools": to_dict(self.services.local),
-            "model_dir": self.model_dir,
-            "group_endpoint": data["group_endpoint"],
-            "version_endpoint": data["version_endpoint"],
-            "max_group_frame_bytes": self.config.learner.max_group_frame_bytes,
-            "out_dir": str(self.out / "actor"),
-            "tasks": to_dict(cfg.tasks),
-            "env": to_dict(cfg.env),
-            "orchestrator": to_dict(cfg.orchestrator),
-            "agent": to_dict(cfg.agent),
-        }
-        actor_path = self.out / "actor.toml"
-        actor_path.write_text(dump_toml(actor_cfg))
+        actor_path = self._actor_config(data)
         self._phase("rl")
         learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))

@@ -7,6 +7,9 @@ the orchestrator on the training stream forever, sending each finished GRPO grou
 a version within the staleness bound (`VersionSubscriber`). Every 10 s it appends its counters to
 `out_dir/stats.jsonl`. SIGTERM or SIGINT stops it: the run is cancelled, unsent groups are
 reported by the sender, and the process exits 0 (the learner's spool already holds what it acked).
+A learner that refuses the actor's security handshake (CurveZMQ keys: `curve_server_key`,
+`curve_client_key`; agentrl/common/curve.py) stops it with an error within 10 s, since ZeroMQ
+does not retry a refused handshake.
 
 Episodes are native unless the config names an agent (`[agent]`, engine/agent.py): then the entry
 hands `run_actor` a factory of the agent runner (a gateway served on this process's event loop over
@@ -32,7 +35,8 @@ from dataclasses import field
 from pathlib import Path
 
 from agentrl.common.config import config_dataclass
-from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
+from agentrl.common.curve import ClientKeys, is_local_endpoint, load_client_keys
+from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES, GroupSender, VersionSubscriber
 from agentrl.engine.agent import AgentConfig
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.orchestrator import EpisodeRunner, OrchestratorConfig
@@ -54,6 +58,13 @@ class ActorConfig:
     """The learner's GroupReceiver."""
     version_endpoint: str = ""
     """The learner's VersionPublisher."""
+    curve_server_key: str | None = None
+    """The learner's zmq.auth public certificate (NAME.key, the public half of its
+    curve_secret_key_file) when the learner's sockets use CurveZMQ; needed for a learner on another
+    host (it binds off loopback only with keys). Given with curve_client_key."""
+    curve_client_key: str | None = None
+    """This actor's zmq.auth secret certificate (NAME.key_secret); its public NAME.key must be in the
+    learner's curve_authorized_clients_dir."""
     max_group_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES
     """Largest frame of a group sent, in bytes: the learner's `max_group_frame_bytes` (its MAXMSGSIZE).
     A larger group is dropped here, logged and counted, since the learner's socket would cut it off."""
@@ -65,13 +76,29 @@ class ActorConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     """An agent program run through the gateway instead of native episodes (engine/agent.py)."""
 
+    def __post_init__(self) -> None:
+        keys = self.curve_keys()
+        for key in ("group_endpoint", "version_endpoint"):
+            endpoint = getattr(self, key)
+            try:
+                remote = bool(endpoint) and not is_local_endpoint(endpoint)
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
+            if remote and keys is None:
+                raise ValueError(f"{key}: {endpoint} is on another host, where the learner binds only with CurveZMQ "
+                                 "keys: set curve_server_key (the learner's NAME.key) and curve_client_key (this "
+                                 "actor's NAME.key_secret, its NAME.key among the learner's authorized clients)")
+
+    def curve_keys(self) -> ClientKeys | None:
+        """The CurveZMQ keys of the learner connections, read and checked (ValueError naming the key)."""
+        return load_client_keys(self.curve_server_key, self.curve_client_key)
+
 
 EpisodesFactory = Callable[[Connections], AbstractAsyncContextManager[EpisodeRunner]]
 """Given the actor's connections, an async context that yields the episode runner (and owns what it serves on)."""
 
 
 async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -> int:
-    from agentrl.common.transport import GroupSender, VersionSubscriber
     from agentrl.engine.orchestrator import Orchestrator
 
     out = Path(cfg.out_dir)
@@ -86,9 +113,10 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
         # The learner's queue is part of the staleness budget: every group waiting there is trained
         # at a later version than the one that sampled it. Bounding the unacknowledged groups to
         # the orchestrator's own in-flight bound keeps data at most ~2 x that many steps old.
+        keys = cfg.curve_keys()
         sender = GroupSender(cfg.group_endpoint, max_unacked=cfg.orchestrator.max_groups_in_flight,
-                             max_frame_bytes=cfg.max_group_frame_bytes)
-        versions = VersionSubscriber(cfg.version_endpoint)
+                             max_frame_bytes=cfg.max_group_frame_bytes, curve=keys)
+        versions = VersionSubscriber(cfg.version_endpoint, curve=keys)
         await sender.start()
         await versions.start()
         try:
@@ -99,7 +127,7 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
             run = asyncio.ensure_future(orch.run(stream))
             stats_path = out / "stats.jsonl"
             t0 = time.time()
-            while not run.done() and not stop.is_set():
+            while not run.done() and not stop.is_set() and not _refused(sender, versions):
                 await asyncio.wait([run], timeout=10.0)
                 with open(stats_path, "a") as f:
                     f.write(json.dumps({"time": time.time(), "elapsed_s": time.time() - t0, **dataclasses.asdict(orch.stats),
@@ -112,5 +140,15 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
         finally:
             await versions.close()
             await sender.close(timeout_s=5.0)
+    if refused := _refused(sender, versions):
+        # libzmq does not retry a refused handshake: waiting on would send nothing, forever.
+        raise RuntimeError(f"the learner refused this actor's connection to {refused} (a CurveZMQ key it does not "
+                           "accept, or keys on one side only; the transport's log line above says which): fix "
+                           "curve_server_key / curve_client_key or the learner's curve_authorized_clients_dir")
     return 0
+
+
+def _refused(sender: GroupSender, versions: VersionSubscriber) -> str:
+    """The learner endpoints (if any) whose security handshake the learner refused."""
+    return ", ".join(s.endpoint for s in (sender, versions) if s.num_handshakes_refused)
 

@@ -356,11 +356,11 @@ class Connections:
 
 
 def _curve(service: RemoteService) -> dict:
-    if service.curve_server_key is None:
-        return {}
-    import zmq.auth
+    from agentrl.common.curve import load_client_keys
 
-    server_public, _ = zmq.auth.load_certificate(service.curve_server_key)
-    client_public, client_secret = zmq.auth.load_certificate(service.curve_client_key)
-    return {"curve_server_public_key": server_public, "curve_client_public_key": client_public,
-            "curve_client_secret_key": client_secret}
+    keys = load_client_keys(service.curve_server_key, service.curve_client_key,
+                            names=(f"{service.name}.curve_server_key", f"{service.name}.curve_client_key"))
+    if keys is None:
+        return {}
+    return {"curve_server_public_key": keys.server_public_key, "curve_client_public_key": keys.public_key,
+            "curve_client_secret_key": keys.secret_key}

@@ -22,8 +22,6 @@ import os
 import sys
 import tempfile
 
-import zmq.auth
-
 
 def _client_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="agentrl tool", description="Call or describe a running tool service.")
@@ -47,6 +45,7 @@ def _client_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    from agentrl.common.curve import load_client_keys
     from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
 
     args = _client_parser().parse_args(argv)
@@ -58,15 +57,14 @@ def main(argv: list[str]) -> int:
             return 2
     if args.mcp is not None or args.mcp_url is not None:
         return _mcp_main(args, tool_args if args.action == "call" else None)
-    curve: dict = {}
-    if args.curve_server_key or args.curve_client_key:
-        if not (args.curve_server_key and args.curve_client_key):
-            print("agentrl tool: CurveZMQ needs both --curve-server-key and --curve-client-key", file=sys.stderr)
-            return 2
-        server_public, _ = zmq.auth.load_certificate(args.curve_server_key)
-        client_public, client_secret = zmq.auth.load_certificate(args.curve_client_key)
-        curve = dict(curve_server_public_key=server_public, curve_client_public_key=client_public,
-                     curve_client_secret_key=client_secret)
+    try:
+        keys = load_client_keys(args.curve_server_key, args.curve_client_key,
+                                names=("--curve-server-key", "--curve-client-key"))
+    except ValueError as exc:
+        print(f"agentrl tool: {exc}", file=sys.stderr)
+        return 2
+    curve = {} if keys is None else dict(curve_server_public_key=keys.server_public_key,
+                                         curve_client_public_key=keys.public_key, curve_client_secret_key=keys.secret_key)
 
     async def run() -> object:
         async with ToolClient(args.endpoint, request_timeout_s=args.timeout_s, **curve) as client:

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from agentrl.common.config import config_dataclass
-from agentrl.common.control_auth import is_loopback
+from agentrl.common.curve import ServerKeys, load_server_keys, require_curve_off_loopback
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
 from agentrl.learner.rewards import RewardSchedule
 from agentrl.learner.trainer import TrainerConfig
@@ -44,9 +44,19 @@ class LearnerConfig:
     keep_checkpoints: int = 2
     """Number of newest checkpoints kept on disk."""
     group_endpoint: str = "tcp://127.0.0.1:5555"
-    """ZeroMQ endpoint the learner binds to receive trajectory groups."""
+    """ZeroMQ endpoint the learner binds to receive trajectory groups. Loopback (or ipc://) by
+    default; an endpoint other hosts can reach needs the two curve_* keys."""
     version_endpoint: str | None = "tcp://127.0.0.1:5556"
-    """ZeroMQ endpoint the learner binds to publish its version (None = do not publish)."""
+    """ZeroMQ endpoint the learner binds to publish its version (None = do not publish); the same
+    rule as group_endpoint."""
+    curve_secret_key_file: str | None = None
+    """zmq.auth secret certificate (`NAME.key_secret`) of the learner: with it both sockets are
+    CurveZMQ servers (encrypted, only authorized clients admitted); required off loopback, optional
+    on it. Its public half (`NAME.key`) is the actor's curve_server_key."""
+    curve_authorized_clients_dir: str | None = None
+    """Directory of the zmq.auth public certificates (`*.key`) of the clients allowed to connect
+    (the actor, a supervisor streaming SFT groups); given with curve_secret_key_file. Read when the
+    learner starts."""
     max_group_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES
     """Largest frame of a trajectory group the receiver reads, in bytes (ZeroMQ MAXMSGSIZE on its
     socket): a sender of a larger frame is disconnected before the frame is buffered. A group's
@@ -82,13 +92,15 @@ class LearnerConfig:
     """A tqdm bar on stderr (off when a supervisor owns the terminal)."""
 
     def __post_init__(self) -> None:
+        keys = self.curve_keys()
         for key in ("group_endpoint", "version_endpoint"):
             endpoint = getattr(self, key)
-            if endpoint is not None and not is_local_endpoint(endpoint):
-                raise ValueError(
-                    f"{key}={endpoint!r} is reachable from other hosts: the learner's sockets take trajectory groups "
-                    "and publish versions without authentication (CurveZMQ is not implemented for them), so they bind "
-                    "on loopback only; use tcp://127.0.0.1:PORT (or ipc://) and reach it through an SSH tunnel")
+            if endpoint is not None:
+                require_curve_off_loopback(
+                    endpoint, keys, key=key, why="the learner trains on every group it is sent",
+                    how='set curve_secret_key_file = "keys/server.key_secret" and curve_authorized_clients_dir = '
+                        '"clients" (the directory of the clients\' NAME.key files) in the learner config, and give '
+                        'the actor keys/server.key and its clients/NAME.key_secret')
         if self.tokens_per_step <= 0:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} must be > 0")
         if self.checkpoint_every <= 0:
@@ -109,6 +121,12 @@ class LearnerConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu' or 'cuda' (under torchrun each rank "
                              "takes cuda:{LOCAL_RANK}; pick GPUs with CUDA_VISIBLE_DEVICES)")
+
+
+    def curve_keys(self) -> ServerKeys | None:
+        """The CurveZMQ keys of the learner's sockets, read and checked (ValueError naming the key);
+        None without keys."""
+        return load_server_keys(self.curve_secret_key_file, self.curve_authorized_clients_dir)
 
 
 def pick_device(name: str, num_cuda_devices: int, local_rank: int | None) -> torch.device:
@@ -137,12 +155,3 @@ def resolve_device(name: str) -> torch.device:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pick_device(name, num_gpus, local_rank)
 
-
-def is_local_endpoint(endpoint: str) -> bool:
-    """True for a ZeroMQ endpoint only this host can reach: ipc://, inproc://, loopback TCP."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    return is_loopback(host)

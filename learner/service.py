@@ -111,7 +111,7 @@ class Learner:
         self.step = restored.step
         cfg = self.config
         receiver = GroupReceiver(cfg.group_endpoint, max_frame_bytes=cfg.max_group_frame_bytes,
-                                 vocab_size=self.ranks.vocab_size)
+                                 vocab_size=self.ranks.vocab_size, curve=cfg.curve_keys())
         self.intake = Intake(receiver, Spool(self.out / "spool"), restored.ledger or Ledger(),
                              RejectedStore(self.out / "rejected", max_bytes=cfg.max_rejected_bytes))
         if restored.how != "fresh":
@@ -233,7 +233,7 @@ class Learner:
             loop.add_signal_handler(sig, self._stop.set)
         intake = self.start_training()
         self.publisher = WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.kv_refresh_every) if cfg.publish_every else None
-        self.version_pub = VersionPublisher(cfg.version_endpoint) if cfg.version_endpoint else None
+        self.version_pub = VersionPublisher(cfg.version_endpoint, curve=cfg.curve_keys()) if cfg.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
         await intake.receiver.start()

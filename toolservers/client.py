@@ -67,6 +67,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from agentrl.common.curve import ClientKeys, curve_client, is_local_endpoint
 from agentrl.toolservers import protocol as P
 from agentrl.toolservers.protocol import ToolError
 
@@ -159,12 +160,12 @@ class ToolClient:
         if any(curve) and not all(curve):
             raise ValueError("CurveZMQ needs the server public key and this client's public and secret keys")
         for endpoint in endpoints:
-            P.is_local_endpoint(endpoint)  # raises on a malformed endpoint
+            is_local_endpoint(endpoint)  # raises on a malformed endpoint
         self.request_timeout_s = request_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.dead_after_s = heartbeat_interval_s * heartbeat_misses
         self.reply_grace_s = reply_grace_s
-        self._curve = curve if all(curve) else None
+        self._curve = ClientKeys(*curve) if all(curve) else None
         self._sndhwm = sndhwm
         self._max_request_bytes = max_request_bytes
         self._max_reply_bytes = max_reply_bytes
@@ -361,10 +362,7 @@ class ToolClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
         if self._curve is not None:
-            server_public, client_public, client_secret = self._curve
-            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
-                server_public, client_public, client_secret,
-            )
+            curve_client(sock, self._curve)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(rep.endpoint)
         rep.sock = sock

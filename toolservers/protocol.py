@@ -38,12 +38,10 @@ caller can branch on them without parsing messages.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import threading
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgpack
 
@@ -149,25 +147,6 @@ def error_reply(req_id: int | None, err_type: str, message: str, latency_s: floa
             "latency_s": latency_s,
         }
     )
-
-
-# --- endpoints ---------------------------------------------------------------------------------
-
-
-def is_local_endpoint(endpoint: str) -> bool:
-    """True if binding `endpoint` is reachable only from this host (loopback TCP, ipc, inproc)."""
-    parts = urlsplit(endpoint)
-    if parts.scheme in ("ipc", "inproc"):
-        return True
-    if parts.scheme != "tcp":
-        raise ValueError(f"unsupported endpoint {endpoint!r}: use tcp://HOST:PORT (or ipc://PATH)")
-    host = parts.hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # '*', an interface name or a DNS name: reachable from outside
 
 
 # --- argument checking against the tool's JSON schema ------------------------------------------

@@ -50,9 +50,14 @@ from typing import Any
 
 import msgpack
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
+from agentrl.common.curve import (
+    ServerKeys,
+    curve_server,
+    load_server_keys,
+    require_curve_off_loopback,
+    stop_authenticator,
+)
 from agentrl.toolservers import protocol as P
 
 log = logging.getLogger(__name__)
@@ -107,21 +112,14 @@ class ServerConfig:
             raise ValueError("max_reply_frame_bytes must be >= 65536 (an error reply must always fit)")
         if self.max_held_reply_bytes < self.max_reply_frame_bytes:
             raise ValueError("max_held_reply_bytes must be >= max_reply_frame_bytes")
-        curve = (self.curve_secret_key_file, self.curve_authorized_clients_dir)
-        if any(curve) and not all(curve):
-            raise ValueError(
-                "CurveZMQ needs both --curve-secret-key (this server's NAME.key_secret) and "
-                "--curve-authorized-clients (a directory of the clients' *.key files)"
-            )
-        if not P.is_local_endpoint(self.bind) and not all(curve):
-            raise ValueError(
-                f"refusing to bind {self.bind}: it is reachable from other hosts and tool services "
-                "run code and read data on request, so a non-loopback bind requires CurveZMQ "
-                "encryption and client authentication. Create keys with "
-                "`python -c \"import zmq.auth; zmq.auth.create_certificates('keys', 'server')\"` "
-                "(and one per client), then pass --curve-secret-key keys/server.key_secret "
-                "--curve-authorized-clients DIR_WITH_CLIENT_KEYS; or bind tcp://127.0.0.1:PORT."
-            )
+        require_curve_off_loopback(
+            self.bind, self.curve_keys(), key="--bind", why="tool services run code and read data on request",
+            how="pass --curve-secret-key keys/server.key_secret --curve-authorized-clients DIR_WITH_CLIENT_KEYS")
+
+    def curve_keys(self) -> ServerKeys | None:
+        """The CurveZMQ keys, read and checked (ValueError naming the option); None without keys."""
+        return load_server_keys(self.curve_secret_key_file, self.curve_authorized_clients_dir,
+                                names=("--curve-secret-key", "--curve-authorized-clients"))
 
 
 @dataclass(frozen=True)
@@ -308,14 +306,9 @@ class ToolServer:
             sock.setsockopt(zmq.SNDHWM, self.config.sndhwm)
             sock.setsockopt(zmq.RCVHWM, self.config.sndhwm)
             sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
-            if self.config.curve_secret_key_file:
-                auth = ThreadAuthenticator(ctx)
-                auth.start()
-                auth.configure_curve(domain="*", location=self.config.curve_authorized_clients_dir)
-                public, secret = zmq.auth.load_certificate(self.config.curve_secret_key_file)
-                if secret is None:
-                    raise ValueError(f"{self.config.curve_secret_key_file} holds no secret key")
-                sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+            keys = self.config.curve_keys()
+            if keys is not None:
+                auth = curve_server(ctx, sock, keys)
             sock.bind(self.config.bind)
             for tool in self.tools.values():
                 tool.start()
@@ -328,8 +321,7 @@ class ToolServer:
             for tool in self.tools.values():
                 tool.close(self.config.shutdown_grace_s)
             sock.close(linger=self.config.linger_ms)
-            if auth is not None:
-                auth.stop()
+            stop_authenticator(auth)  # after the socket: no handshake may meet it without its ZAP handler
             ctx.term()
 
     def _loop(self, sock: zmq.Socket) -> None:

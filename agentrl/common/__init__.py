@@ -2,6 +2,7 @@
 
     trajectory.py  the Trajectory / TrajectoryGroup record and its wire format
     transport.py   trajectory groups orchestrator -> learner (acked), versions learner -> orchestrator
+    curve.py       CurveZMQ for the sockets that bind (learner, tool services): the loopback rule, keys
     inference.py   the token-in/token-out vLLM client
     weights.py     the weight push (stage, pause(keep), reload, resume) and cache reset
     vllm_ext.py    the worker extension inside vLLM that receives pushes (loaded by the server)

@@ -5,6 +5,20 @@ Sockets (loopback by default):
                              <──────── acks ──────────
     orchestrator VersionSubscriber (SUB, connects) <── {"version", "served_version"} ── learner VersionPublisher (PUB, binds)
 
+Security: the tool services' rule (agentrl/common/curve.py). On loopback or ipc:// keys are
+optional (plain text without them); off loopback the learner must hold CurveZMQ keys
+(`LearnerConfig` refuses the endpoint otherwise). With keys, the binding sockets take
+`curve=ServerKeys` (the learner's secret certificate and the directory of authorized client
+certificates; a ZAP authenticator thread per socket checks every handshake) and the connecting
+ones `curve=ClientKeys` (the learner's public key, the actor's own key pair). A connection whose
+handshake the learner refuses (an unknown client key, keys on one side only) carries nothing, and
+libzmq ends it for good (no reconnect after a refused handshake), so the learner never sees a frame
+of it. The connecting side logs the refusal and counts it in `num_handshakes_refused`; its owner
+decides what to do (the actor exits: a refused key is a configuration error, and a sender or
+subscriber left without a connection would wait forever). A handshake cut off midway (a learner
+restart, or a server key that is not the learner's) is counted in `num_handshakes_failed`, and
+ZeroMQ reconnects as usual.
+
 Messages. Group: [b"group", *trajectory.encode_group(group)] (msgpack header + raw numpy frames).
 Ack: [b"ack", group_id utf-8]. Nack: [b"nack", group_id utf-8 (empty when the message named no
 readable id), reason utf-8 (at most 1 KiB)]. Version: one msgpack frame {"version": int,
@@ -62,8 +76,10 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from agentrl.common.curve import ClientKeys, ServerKeys, curve_client, curve_server, stop_authenticator
 from agentrl.common.trajectory import GroupRejected, TrajectoryGroup, decode_group, encode_group
 
 log = logging.getLogger(__name__)
@@ -78,6 +94,33 @@ group of 200 turns: ~1.3 MiB)."""
 CONTROL_MAX_FRAME_BYTES = 64 << 10
 """MAXMSGSIZE of the version publisher, which reads only subscriptions (a few bytes each)."""
 MAX_REASON_BYTES = 1024
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+"""Monitor events of a failed security handshake on a connecting socket. AUTH (ZAP refused the
+client key) and PROTOCOL (the two sides' mechanisms differ: keys on one side only) end the
+connection for good; NO_DETAIL (the connection dropped mid-handshake: a learner restart, or a
+server key that is not the learner's, so it cannot decrypt) is followed by ZeroMQ's usual reconnect."""
+
+
+def _note_handshake(owner: GroupSender | VersionSubscriber, event: dict) -> None:
+    """Count and log a failed handshake of `owner`'s socket (module docstring: Security)."""
+    who, curve = type(owner).__name__, owner.curve
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        owner.num_handshakes_failed += 1
+        # Once for a learner that restarted mid-handshake; on every reconnect (each ~130 ms) for a
+        # wrong server key: log the first and every 100th.
+        if owner.num_handshakes_failed % 100 == 1:
+            log.warning("%s: a handshake with the learner at %s failed (%d so far; ZeroMQ reconnects)%s", who,
+                        owner.endpoint, owner.num_handshakes_failed,
+                        ": if it repeats, is curve_server_key the learner's public key?" if curve is not None else "")
+        return
+    owner.num_handshakes_refused += 1
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        why = "refused this client's CurveZMQ key: is its public key in the learner's curve_authorized_clients_dir?"
+    else:
+        why = (f"uses another security mechanism: this side {'has' if curve is not None else 'has no'} CurveZMQ keys "
+               "and the learner's socket does not; give both sides keys, or neither")
+    log.error("%s: the learner at %s %s (ZeroMQ does not retry a refused handshake)", who, owner.endpoint, why)
 
 
 class _Owned:
@@ -86,6 +129,8 @@ class _Owned:
     def __init__(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
+        self._auth: ThreadAuthenticator | None = None
+        """The ZAP authenticator of a CURVE server socket (its thread uses `_ctx`: stopped first)."""
 
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -97,12 +142,18 @@ class _Owned:
         if not task.cancelled() and task.exception() is not None:
             log.error("transport task %s died: %r", task.get_name(), task.exception())
 
-    async def _stop(self, timeout_s: float) -> None:
+    async def _stop(self, timeout_s: float, bound: zmq.asyncio.Socket | None = None) -> None:
+        """`bound`: a CURVE server socket, closed before its authenticator stops (a handshake that
+        met the socket without its ZAP handler would be let in unchecked: libzmq's default)."""
         for task in self._tasks:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=timeout_s)
         self._tasks.clear()
+        if bound is not None:
+            bound.close(linger=0)
+        stop_authenticator(self._auth)
+        self._auth = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -110,7 +161,8 @@ class _Owned:
 
 class GroupSender(_Owned):
     def __init__(self, endpoint: str, *, max_unacked: int = 32, resend_after_s: float = 60.0,
-                 max_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES, max_reasons_kept: int = 1000):
+                 max_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES, max_reasons_kept: int = 1000,
+                 curve: ClientKeys | None = None):
         super().__init__()
         if max_unacked < 1:
             raise ValueError("GroupSender.max_unacked must be >= 1")
@@ -122,6 +174,8 @@ class GroupSender(_Owned):
         """Largest frame sent, in bytes: the receiver's MAXMSGSIZE (a larger group is dropped here)."""
         self.max_reasons_kept = max_reasons_kept
         """How many of the latest rejections `rejected` keeps (all are counted)."""
+        self.curve = curve
+        """CurveZMQ keys for a receiver that requires them (agentrl/common/curve.py); None: plain text."""
         self._unacked: OrderedDict[str, tuple[list[bytes], float]] = OrderedDict()
         self._space = asyncio.Condition()
         self._sock: zmq.asyncio.Socket | None = None
@@ -132,6 +186,10 @@ class GroupSender(_Owned):
         """Groups dropped: nacked by the receiver, or refused here before sending."""
         self.num_unmatched_nacks = 0
         """Nacks for no group awaiting an answer (a resent copy nacked twice, or a foreign message)."""
+        self.num_handshakes_refused = 0
+        """Handshakes the receiver refused (module docstring: Security); nothing goes through after one."""
+        self.num_handshakes_failed = 0
+        """Handshakes cut off midway (module docstring: Security); ZeroMQ reconnects after them."""
         self.rejected: OrderedDict[str, str] = OrderedDict()
         """group id -> why it was dropped, for the latest `max_reasons_kept` rejections."""
 
@@ -144,7 +202,9 @@ class GroupSender(_Owned):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if self.curve is not None:
+            curve_client(self._sock, self.curve)
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
         self._sock.connect(self.endpoint)
         self._spawn(self._read_acks(), "group-sender-acks")
         self._spawn(self._watch_reconnects(monitor), "group-sender-monitor")
@@ -243,6 +303,8 @@ class GroupSender(_Owned):
                     num_connects += 1
                     if num_connects > 1:
                         await self._resend_all("reconnected")
+                elif event["event"] & HANDSHAKE_EVENTS:
+                    _note_handshake(self, event)
         finally:
             monitor.close(linger=0)
 
@@ -268,7 +330,7 @@ RejectHook = Callable[[list[bytes], str, "str | None", bytes], None]
 class GroupReceiver(_Owned):
     def __init__(self, endpoint: str, *, max_queued_messages: int = 64,
                  max_frame_bytes: int = DEFAULT_MAX_GROUP_FRAME_BYTES, vocab_size: int | None = None,
-                 on_reject: RejectHook | None = None):
+                 on_reject: RejectHook | None = None, curve: ServerKeys | None = None):
         super().__init__()
         self.endpoint = endpoint
         self.max_queued_messages = max_queued_messages
@@ -279,6 +341,8 @@ class GroupReceiver(_Owned):
         """Token ids must lie in [0, vocab_size) (None: not checked)."""
         self.on_reject = on_reject
         """Called with every refused message before it is nacked (the learner keeps them in rejected/)."""
+        self.curve = curve
+        """CurveZMQ keys: senders must hold an authorized client key (agentrl/common/curve.py); None: plain text."""
         self._sock: zmq.asyncio.Socket | None = None
         self.num_malformed = 0
         """Messages refused (nacked): not a group, or a group that fails `decode_group`'s checks."""
@@ -293,10 +357,12 @@ class GroupReceiver(_Owned):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an ack to a vanished sender raises instead of vanishing
         self._sock.setsockopt(zmq.RCVHWM, self.max_queued_messages)
         self._sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        if self.curve is not None:
+            self._auth = curve_server(self._ctx, self._sock, self.curve)
         self._sock.bind(self.endpoint)
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        await self._stop(timeout_s)
+        await self._stop(timeout_s, bound=self._sock)
         self._sock = None
 
     async def recv(self) -> ReceivedGroup:
@@ -343,10 +409,12 @@ class GroupReceiver(_Owned):
 
 
 class VersionPublisher(_Owned):
-    def __init__(self, endpoint: str, *, republish_interval_s: float = 1.0):
+    def __init__(self, endpoint: str, *, republish_interval_s: float = 1.0, curve: ServerKeys | None = None):
         super().__init__()
         self.endpoint = endpoint
         self.republish_interval_s = republish_interval_s
+        self.curve = curve
+        """CurveZMQ keys: subscribers must hold an authorized client key; None: plain text."""
         self._sock: zmq.asyncio.Socket | None = None
         self._latest: bytes | None = None
 
@@ -355,6 +423,8 @@ class VersionPublisher(_Owned):
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, CONTROL_MAX_FRAME_BYTES)  # inbound: subscriptions only
+        if self.curve is not None:
+            self._auth = curve_server(self._ctx, self._sock, self.curve)
         self._sock.bind(self.endpoint)
         self._spawn(self._republish(), "version-republish")
 
@@ -363,7 +433,7 @@ class VersionPublisher(_Owned):
         await self._sock.send(self._latest)
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        await self._stop(timeout_s)
+        await self._stop(timeout_s, bound=self._sock)
         self._sock = None
 
     async def _republish(self) -> None:
@@ -374,25 +444,47 @@ class VersionPublisher(_Owned):
 
 
 class VersionSubscriber(_Owned):
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, *, curve: ClientKeys | None = None):
         super().__init__()
         self.endpoint = endpoint
+        self.curve = curve
+        """CurveZMQ keys for a publisher that requires them; None: plain text."""
         self.latest: tuple[int, int] | None = None
         """(learner version, served version) last heard; None until the first message."""
         self._changed = asyncio.Condition()
         self.num_malformed = 0
         """Version messages that did not decode (logged and skipped)."""
+        self.num_handshakes_refused = 0
+        """Handshakes the publisher refused (module docstring: Security); nothing arrives after one."""
+        self.num_handshakes_failed = 0
+        """Handshakes cut off midway (module docstring: Security); ZeroMQ reconnects after them."""
+        self._sock: zmq.asyncio.Socket | None = None
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.SUB)
+        self._sock = sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if self.curve is not None:
+            curve_client(sock, self.curve)
+        monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
         sock.connect(self.endpoint)
         self._spawn(self._listen(sock), "version-subscriber")
+        self._spawn(self._watch_handshakes(monitor), "version-subscriber-monitor")
 
     async def close(self, timeout_s: float = 5.0) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
         await self._stop(timeout_s)
+        self._sock = None
+
+    async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                _note_handshake(self, parse_monitor_message(await monitor.recv_multipart()))
+        finally:
+            monitor.close(linger=0)
 
     async def wait_until(self, pred: Callable[[tuple[int, int]], bool], timeout_s: float | None = None) -> tuple[int, int]:
         """Wait until `pred(latest)` holds (latest not None); raises TimeoutError after `timeout_s`."""
