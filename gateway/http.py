@@ -26,8 +26,9 @@ Lifecycle: every request runs as a task owned by its connection; the handler ans
 errors (the gateway's `_handle` turns every exception into a JSON answer), so an exception out of it
 is logged and answered 500 and the connection closed. A client that disconnects mid-request does not
 cancel its handler (the session record stays complete); the answer is dropped. Connections idle
-longer than `keepalive_s` are closed by a sweep every `keepalive_s / 4`. `close` stops listening,
-lets requests in flight run for `grace_s`, cancels the rest and closes every connection.
+(no request in flight, no byte in) longer than `keepalive_s` are closed by a sweep every
+`keepalive_s / 4`. `close` stops listening, lets requests in flight run for `grace_s` (their
+answers close their connections), cancels the rest and closes every connection.
 
 Backpressure: while a request is in flight or the client does not read its answers (the transport's
 write buffer is past its high-water mark), further bytes are buffered only up to one largest body +
@@ -142,6 +143,7 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
 
     def data_received(self, data: bytes) -> None:
+        self.idle_since_s = time.monotonic()
         if self._discard_left is not None:
             self._discard(len(data))
             return
@@ -188,6 +190,8 @@ class _Connection(asyncio.Protocol):
             request.keep_alive = False
         self.task = None
         self.idle_since_s = time.monotonic()
+        if self.server.closing:
+            request.keep_alive = False  # no next request starts once the server is stopping
         self._write(response, request.keep_alive)
         if request.keep_alive and self._buffer and not self._writing_paused:
             self._next_request()
@@ -363,6 +367,8 @@ class HTTPServer:
         """After answering a body past the limit, how long its rest is still read and dropped, seconds
         (aiohttp's lingering time: 10)."""
         self.connections: set[_Connection] = set()
+        self.closing = False
+        """Set by `close`: answers still in flight close their connections."""
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task | None = None
 
@@ -381,8 +387,9 @@ class HTTPServer:
                 conn._close()
 
     async def close(self, grace_s: float) -> None:
-        """Stop listening; requests in flight get `grace_s` to finish, then are cancelled; every
-        connection is closed."""
+        """Stop listening; requests in flight get `grace_s` to finish (their answers say
+        `Connection: close`), then are cancelled; every connection is closed."""
+        self.closing = True
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.wait([self._sweeper])

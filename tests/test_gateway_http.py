@@ -233,7 +233,8 @@ async def test_close_lets_requests_finish_within_the_grace_then_cancels_the_rest
     start = loop.time()
     await server.close(grace_s=0.5)
     assert loop.time() - start < 2.0
-    assert (await read_answer(quick_r))[0] == 200 and app.num_finished == 1
+    status, headers, _ = await read_answer(quick_r)
+    assert status == 200 and headers["connection"] == "close" and app.num_finished == 1
     assert app.cancelled == 1 and await closed_by_server(slow_r) and await closed_by_server(idle_r)
     with pytest.raises(OSError):
         await connect(port)
