@@ -158,7 +158,7 @@ async def gateway_side(model_dir: str, standin_url: str, standin_pid: int, num_s
         rates, cpu_us, standin_us, agent_us = [], [], [], []
         for run in range(num_runs + 1):  # run 0: the warm-up (memos, connection pools, first-time code paths)
             gw0, si0, me0, wall0 = rollout.process_cpu_s(gateway.pid), rollout.process_cpu_s(standin_pid), time.process_time(), time.perf_counter()
-            num, num_calls = await run_sessions(host, int(port), model, [t.question for t in tasks], world.passages, tools,
+            num, num_calls = await run_sessions(host, int(port), model, [t.prompt for t in tasks], world.passages, tools,
                                                 num_turns, run, connections)
             wall = time.perf_counter() - wall0
             gw, si, me = rollout.process_cpu_s(gateway.pid) - gw0, rollout.process_cpu_s(standin_pid) - si0, time.process_time() - me0

@@ -55,17 +55,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from aiohttp import web
 
 from agentrl.common.inference import InferenceServerError, InferenceServerUnavailable, SamplingParams
 from agentrl.engine.parsers import TOOL_CALL_PARSERS, detect_tool_call_format
 from agentrl.gateway import protocol as P
+from agentrl.gateway.http import BodyTooLarge, HTTPServer, Request, Response
 from agentrl.gateway.render import ChatMLRenderer, Rendered, TemplateRenderer, ToolList, forced_prefill
 from agentrl.gateway.sessions import Session, SessionStore
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Agentrl-Session"
+_SESSION_HEADER_KEY = SESSION_HEADER.lower()  # gateway.http's headers are keyed by lower-cased names
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 _ENCODER = msgspec.json.Encoder()
 
@@ -105,9 +106,10 @@ class GatewayConfig:
     """Re-render one recalled completion in this many from its text and compare with its sampled
     ids (1: every one; 0: never); a difference counts in `num_render_drifts` and logs the first
     differing prompt position. A check costs one tokenizer encode, ~40 to 55 us for a 30-token
-    call, a tenth of the gateway's whole CPU per turn; a rendering mismatch is systematic (a
-    format, not a sample), so one in 8 finds it within a few turns. Training never depends on it:
-    recalled completions enter prompts as their recorded ids either way."""
+    call, a sixth of the gateway's whole CPU per turn (~350 us in benchmarks/gateway.py); a
+    rendering mismatch is systematic (a format, not a sample), so one in 8 finds it within a few
+    turns. Training never depends on it: recalled completions enter prompts as their recorded ids
+    either way."""
 
     def __post_init__(self) -> None:
         if self.tool_parser != "auto" and self.tool_parser not in TOOL_CALL_PARSERS:
@@ -166,7 +168,7 @@ class Gateway:
         self.stats = {"num_requests": 0, "num_turns": 0, "num_client_errors": 0, "num_upstream_errors": 0,
                       "num_internal_errors": 0, "num_render_checks": 0, "num_render_drifts": 0, "num_prefix_breaks": 0}
         self._routes_by_key = self._routes()
-        self._runner: web.ServerRunner | None = None
+        self._http: HTTPServer | None = None
         self._sweeper: asyncio.Task | None = None
         self._gc_thresholds: tuple[int, ...] | None = None
         self._num_recalled_unchecked = 0
@@ -182,20 +184,10 @@ class Gateway:
                 ("POST", "/v1/completions"): self._completions}
 
     async def start(self) -> str:
-        # aiohttp's low-level server with the routing below (a dict lookup) instead of an Application:
-        # the router and middleware chain cost ~20 us per request (benchmarks/gateway.py).
-        loop = asyncio.get_running_loop()
-        max_body = self.config.max_body_bytes
-
-        def make_request(message, payload, protocol, writer, task) -> web.BaseRequest:
-            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=max_body)
-
-        self._runner = web.ServerRunner(web.Server(self._handle, request_factory=make_request, access_log=None),
-                                        shutdown_timeout=self.config.shutdown_grace_s)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=4096)
-        await site.start()
-        port = self._runner.addresses[0][1]
+        # gateway.http's bare protocol with the routing below (a dict lookup): aiohttp's server cost
+        # ~135 CPU us per request here, against ~30 (gateway/http.py).
+        self._http = HTTPServer(self._handle, error_response=self._http_error, max_body_bytes=self.config.max_body_bytes)
+        port = await self._http.start(self.config.host, self.config.port, backlog=4096)
         self.base_url = f"http://{self.config.host}:{port}"
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-session-sweeper")
         self._sweeper.add_done_callback(self._sweeper_ended)
@@ -218,9 +210,9 @@ class Gateway:
             self._sweeper.cancel()
             await asyncio.wait([self._sweeper], timeout=timeout_s)
             self._sweeper = None
-        if self._runner is not None:
-            await asyncio.wait_for(self._runner.cleanup(), timeout_s)
-            self._runner = None
+        if self._http is not None:
+            await asyncio.wait_for(self._http.close(self.config.shutdown_grace_s), timeout_s)
+            self._http = None
 
     def _sweeper_ended(self, task: asyncio.Task) -> None:
         """A sweeper that died (an `on_session_end` hook raised) is logged and makes /health fail:
@@ -262,7 +254,12 @@ class Gateway:
             raise P.GatewayError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
         raise P.GatewayError(404, f"no route {method} {path}", code="not_found")
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    def _http_error(self, status: int, message: str) -> Response:
+        """The answer to a request that is not HTTP (400, 431, 501) or to a handler bug (500)."""
+        self.stats["num_client_errors" if status < 500 else "num_internal_errors"] += 1
+        return _json(P.GatewayError(status, message, code="bad_http_request" if status < 500 else "internal_error").body(), status)
+
+    async def _handle(self, request: Request) -> Response:
         """Every request: route, run, and answer any refusal as OpenAI's error JSON."""
         self.stats["num_requests"] += 1
         try:
@@ -272,7 +269,7 @@ class Gateway:
             self.stats["num_upstream_errors" if err.status in (502, 503) else
                        "num_client_errors" if err.status < 500 else "num_internal_errors"] += 1
             return _json(err.body(), err.status)
-        except web.HTTPRequestEntityTooLarge:
+        except BodyTooLarge:
             self.stats["num_client_errors"] += 1
             message = f"the request body is larger than the gateway's limit of {self.config.max_body_bytes} bytes"
             return _json(P.GatewayError(413, message, code="body_too_large").body(), 413)
@@ -281,34 +278,34 @@ class Gateway:
             log.exception("internal error on %s %s", request.method, request.path)
             return _json(P.GatewayError(500, f"internal gateway error: {type(err).__name__}: {err}", code="internal_error").body(), 500)
 
-    async def _health(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+    async def _health(self, request: Request, session_id: str | None) -> Response:
         if self._sweeper_error is not None:
             return _json({"status": f"the session sweeper stopped: {self._sweeper_error}"}, 503)
         return _json({"status": "ok"})
 
-    async def _stats(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+    async def _stats(self, request: Request, session_id: str | None) -> Response:
         s = self.sessions
         return _json({**self.stats, "num_sessions_open": len(s), "num_sessions_opened": s.num_opened,
                       "num_sessions_closed": s.num_closed, "num_sessions_expired": s.num_expired,
                       "renderer": self.renderer.name, "tool_parser": self.family, "model": self.model_name})
 
-    async def _models(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+    async def _models(self, request: Request, session_id: str | None) -> Response:
         return _json({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                   "owned_by": "agentrl", "max_model_len": self.config.max_model_len}]})
 
-    async def _list_sessions(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+    async def _list_sessions(self, request: Request, session_id: str | None) -> Response:
         return _json({"sessions": self.sessions.ids(), "num_open": len(self.sessions)})
 
-    async def _get_session(self, request: web.BaseRequest, session_id: str) -> web.Response:
+    async def _get_session(self, request: Request, session_id: str) -> Response:
         return _json(self.sessions.get(session_id).to_record())
 
-    async def _close_session(self, request: web.BaseRequest, session_id: str) -> web.Response:
+    async def _close_session(self, request: Request, session_id: str) -> Response:
         return _json(self.sessions.close(session_id))
 
-    async def _list_tools(self, request: web.BaseRequest, session_id: str | None) -> web.Response:
+    async def _list_tools(self, request: Request, session_id: str | None) -> Response:
         return _json({"tools": self.tools.schemas()})
 
-    async def _call_tool(self, request: web.BaseRequest, session_in_path: str | None) -> web.Response:
+    async def _call_tool(self, request: Request, session_in_path: str | None) -> Response:
         session_id = self._session_id(request, session_in_path)
         name = request.path.rpartition("/agentrl/tools/")[2]
         try:
@@ -329,8 +326,8 @@ class Gateway:
 
     # -- the two generation endpoints ---------------------------------------------------------------
 
-    def _session_id(self, request: web.BaseRequest, in_path: str | None) -> str | None:
-        in_header = request.headers.get(SESSION_HEADER)
+    def _session_id(self, request: Request, in_path: str | None) -> str | None:
+        in_header = request.headers.get(_SESSION_HEADER_KEY)
         if in_path is not None and in_header is not None and in_path != in_header:
             raise P.invalid(f"the session in the URL ({in_path!r}) and in the {SESSION_HEADER} header ({in_header!r}) differ",
                             SESSION_HEADER)
@@ -381,7 +378,7 @@ class Gateway:
         except InferenceServerError as err:
             raise P.GatewayError(502, f"the inference server refused the request: {err}", code="upstream_error") from err
 
-    async def _chat(self, request: web.BaseRequest, session_in_path: str | None) -> web.StreamResponse:
+    async def _chat(self, request: Request, session_in_path: str | None) -> Response:
         session_id = self._session_id(request, session_in_path)
         req = P.decode_chat(await request.read())
         self._check_model(req.model)
@@ -418,7 +415,7 @@ class Gateway:
         completion_id = "chatcmpl-" + os.urandom(12).hex()
         if req.stream:
             include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
-            return await self._stream_chat(request, completion_id, turn, usage if include_usage else None)
+            return self._stream_chat(completion_id, turn, usage if include_usage else None)
         message: dict = {"role": "assistant", "content": turn.content}
         if turn.tool_calls:
             message["tool_calls"] = turn.tool_calls
@@ -509,7 +506,7 @@ class Gateway:
             content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
         return {"content": content}
 
-    async def _stream_chat(self, request: web.BaseRequest, completion_id: str, turn: _Turn, usage: dict | None) -> web.StreamResponse:
+    def _stream_chat(self, completion_id: str, turn: _Turn, usage: dict | None) -> Response:
         base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
 
         def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
@@ -526,9 +523,9 @@ class Gateway:
         events.append(chunk({}, turn.finish_reason))
         if usage is not None:
             events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
-        return await _event_stream(request, events)
+        return _event_stream(events)
 
-    async def _completions(self, request: web.BaseRequest, session_in_path: str | None) -> web.StreamResponse:
+    async def _completions(self, request: Request, session_in_path: str | None) -> Response:
         session_id = self._session_id(request, session_in_path)
         req = P.decode_completion(await request.read())
         self._check_model(req.model)
@@ -580,17 +577,13 @@ class Gateway:
                       + b"\n\n")
         if req.stream_options is not None and req.stream_options.include_usage:
             events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
-        return await _event_stream(request, events)
+        return _event_stream(events)
 
 
-async def _event_stream(request: web.BaseRequest, events: list[bytes]) -> web.StreamResponse:
-    """The server-sent events of one answer, then `[DONE]`, written in one go (the completion is
+def _event_stream(events: list[bytes]) -> Response:
+    """The server-sent events of one answer, then `[DONE]`, sent in one go (the completion is
     already whole: streaming keeps OpenAI clients' streaming code paths working, not latency)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    await response.write(b"".join([*events, b"data: [DONE]\n\n"]))
-    await response.write_eof()
-    return response
+    return Response(b"".join([*events, b"data: [DONE]\n\n"]), content_type="text/event-stream", headers="Cache-Control: no-cache\r\n")
 
 
 _PIECE = re.compile(r"\s*\S+\s*|\s+")
@@ -602,6 +595,6 @@ def _pieces(text: str, words_per_piece: int = 4) -> list[str]:
     return ["".join(words[k:k + words_per_piece]) for k in range(0, len(words), words_per_piece)]
 
 
-def _json(body: dict, status: int = 200) -> web.Response:
-    return web.Response(body=_ENCODER.encode(body), status=status, content_type="application/json")
+def _json(body: dict, status: int = 200) -> Response:
+    return Response(_ENCODER.encode(body), status)
 
