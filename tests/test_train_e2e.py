@@ -178,7 +178,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     episode_parts = [t.rsplit("Question: ", 1)[1] for t in texts]  # after the worked example's tool responses
     assert all(p.count("disabled in this evaluation") == p.count("<tool_response>") for p in episode_parts)
     assert "fail_stopped_early" in final and "fail_truncated" in final
-    assert "tools disabled" in Path(summary["report"]).read_text()
+    assert "with every tool disabled" in Path(summary["report"]).read_text()
 
     # The run's end exported the policy; evaluated alone (a fresh server, the run's config from the
     # folder), it scores what the run's final evaluation did.
