@@ -18,6 +18,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from agentrl.common.files import read_jsonl  # noqa: E402
 
+DIAGNOSTICS = ("final_without_tools", "final_transfer")
+"""Evaluations after the budget on another environment or task set: not points of the score curves."""
+
 
 def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
     series = {k: v for k, v in series.items() if v[0]}
@@ -107,7 +110,7 @@ def write_report(run_dir: str | Path) -> Path:
 
     t0 = min((e["time"] for e in evals), default=0.0)
     baselines = set(phases.get("baseline", {}).get("baselines", {}))
-    tracked = [e for e in evals if e["label"] not in baselines and e["label"] != "final_without_tools"]
+    tracked = [e for e in evals if e["label"] not in baselines and e["label"] not in DIAGNOSTICS]
     metric = phases.get("final", {}).get("score_metric") or (tracked[0].get("score_metric", "score") if tracked else "score")
     curves = {metric: ([(e["time"] - t0) / 60 for e in tracked], [e["score"] for e in tracked])}
     if tracked and "f1" in tracked[0]:
@@ -172,7 +175,14 @@ def write_report(run_dir: str | Path) -> Path:
         r = phases["final_without_tools"]
         lines += ["", f"The final policy with every tool disabled (same prompt, each call fails): {metric} "
                       f"**{r['score']:.3f}** (n={r['n']}); near Base Tool Call's, the tasks are not answerable from memory."]
-    lines += failure_table([*rows, ("After RL, tools disabled", phases.get("final_without_tools"))])
+    if phases.get("final_transfer"):
+        r = phases["final_transfer"]
+        by = "; ".join(f"{k.removeprefix('by_')}={v}: {c['score']:.3f} (n={c['n']})"
+                       for k in sorted(x for x in r if x.startswith("by_")) for v, c in sorted(r[k].items()))
+        lines += ["", f"The final policy on transfer tasks, harder than any trained on: {metric} **{r['score']:.3f}** "
+                      f"(n={r['n']}{'; ' + by if by else ''})."]
+    lines += failure_table([*rows, ("After RL, tools disabled", phases.get("final_without_tools")),
+                            ("After RL, transfer tasks", phases.get("final_transfer"))])
     if base.get("base_tool_call") and phases.get("final"):
         lines += ["", f"{metric} gain over Base Tool Call: **{phases['final']['score'] - base['base_tool_call']['score']:+.3f}**"]
     if sft_phase and phases.get("final"):

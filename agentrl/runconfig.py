@@ -84,6 +84,10 @@ class EvalConfig:
     prompt, each call fails): a score near Base Tool Call's says the tasks are not learnable without
     the tools. A diagnostic after the budget: not counted in `minutes` nor in minutes_after_setup.
     Native episodes only (an `[agent]` program brings its own tool calls)."""
+    transfer: bool = True
+    """After the final evaluation, evaluate the final policy on the task set's transfer tasks (harder
+    than any trained on; synthetic QA: `transfer_hops`, 3-hop), when it has them. A figure, no
+    target; after the budget like `without_tools`. Native episodes only."""
     in_budget: bool = True
     """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
     (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares

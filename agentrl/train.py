@@ -111,7 +111,7 @@ class Supervisor:
         self.deadline = 0.0
         self.setup_s = 0.0
         self.diagnostic_s = 0.0
-        """Seconds of evaluations after the budget (eval.without_tools), left out of minutes_after_setup."""
+        """Seconds of evaluations after the budget (eval.without_tools, eval.transfer), left out of minutes_after_setup."""
         self.eval_episodes = None
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
         self._curve: tuple[dict, dict] | None = None
@@ -144,7 +144,7 @@ class Supervisor:
             name = f"{summary['label']}-v{summary['served_version']}.jsonl"
             metric = summary["score_metric"]
             report_by = self.conn.env.report_by if self.conn is not None else ()
-            metadata = {t.task_id: t.metadata for t in self.heldout}
+            metadata = {t.task_id: t.metadata for t in [*self.heldout, *self.taskset.transfer]}
             with open(folder / name, "w") as f:
                 for t in sorted(trajectories, key=lambda t: t.task_id):
                     meta = metadata.get(t.task_id, {})
@@ -316,6 +316,14 @@ class Supervisor:
                 summary, trajs = await evaluate(conn, self.heldout, "final_without_tools", env=conn.env.with_tools_disabled())
                 self._log_eval(summary, trajs)
                 self._phase_done("final_without_tools", summary)
+                self.diagnostic_s += time.monotonic() - t1
+            transfer = self.taskset.transfer
+            if cfg.eval.transfer and transfer and not cfg.agent.enabled and "final_transfer" not in self.phases:
+                self._phase("transfer evaluation")
+                t1 = time.monotonic()
+                summary, trajs = await evaluate(conn, transfer, "final_transfer")
+                self._log_eval(summary, trajs)
+                self._phase_done("final_transfer", summary)
                 self.diagnostic_s += time.monotonic() - t1
         return self.phases
 
@@ -641,6 +649,12 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
                 summary[f"calls_{label}_{name}"] = {v: round(c["calls_per_episode"], 3) for v, c in s[key].items()}
     if "final_without_tools" in phases:
         summary[f"{final['score_metric']}_after_without_tools"] = round(phases["final_without_tools"]["score"], 4)
+    if "final_transfer" in phases:  # e.g. em_after_transfer_by_hops {"3": ...}
+        transfer = phases["final_transfer"]
+        summary[f"{final['score_metric']}_after_transfer"] = round(transfer["score"], 4)
+        for key in sorted(k for k in transfer if k.startswith("by_")):
+            summary[f"{final['score_metric']}_after_transfer_{key.replace('by_num_', 'by_')}"] = {
+                v: round(c["score"], 4) for v, c in transfer[key].items()}
     if "score" in sft:
         paired = paired_comparison(eval_records(out, "sft", sft), eval_records(out, "final", final))
         if paired:

@@ -54,6 +54,9 @@ class TaskSet:
     demonstration_pool: Callable[[int], list[Task]] | None = None
     """`demonstration_pool(num)` -> the training tasks the SFT cold start demonstrates; None: the
     first `num` tasks of the training stream at version 0."""
+    transfer: list[Task] = field(default_factory=list)
+    """Held-out tasks harder than any trained on (QA: more hops): the final policy is evaluated on
+    them once, after the budget, as a figure of how far the learned behaviour carries (`eval.transfer`)."""
 
     def train_stream(self, version: Callable[[], int]) -> Iterator[Task]:
         return self.train_pool(version)
@@ -102,13 +105,20 @@ class SyntheticOptions:
     demonstration_hops: list[int] = field(default_factory=lambda: [1, 2])
     """Hop counts of the training questions the SFT cold start demonstrates; a repeated count weighs
     more (`[1, 2, 2]`: two thirds 2-hop)."""
+    transfer_hops: list[int] = field(default_factory=lambda: [3])
+    """Hop counts of the transfer questions (held-out split, never trained on; `TaskSet.transfer`)."""
+    transfer_num: int = 24
+    """Transfer questions; 0: none."""
 
     def __post_init__(self) -> None:
         for name, hops in (("heldout_hops", self.heldout_hops), ("demonstration_hops", self.demonstration_hops),
-                           ("curriculum", [h for s in self.curriculum for h in s.hops])):
+                           ("curriculum", [h for s in self.curriculum for h in s.hops]),
+                           ("transfer_hops", self.transfer_hops)):
             bad = [h for h in hops if h not in (1, 2, 3, 4)]
             if bad or not hops:
                 raise ValueError(f"{name}: hop counts must be 1-4 (and at least one), got {hops}")
+        if self.transfer_num < 0:
+            raise ValueError(f"transfer_num must be >= 0, got {self.transfer_num}")
         if self.curriculum[-1].until_version is not None:
             raise ValueError("curriculum: the last stage must not set until_version (it runs to the end)")
 
@@ -131,8 +141,10 @@ def load_synthetic(options: SyntheticOptions, workdir: Path) -> TaskSet:
     def demonstration_pool(num: int) -> list[Task]:
         return world.questions("train", hops=options.demonstration_hops, num=num, seed=options.seed + 100)
 
+    transfer = (world.questions("heldout", hops=options.transfer_hops, num=options.transfer_num, seed=options.seed + 200)
+                if options.transfer_num else [])
     return TaskSet(heldout=heldout, train_pool=train_pool, corpus=world.write_corpus(workdir / "corpus.jsonl"),
-                   demonstration_pool=demonstration_pool)
+                   demonstration_pool=demonstration_pool, transfer=transfer)
 
 
 load_synthetic.Options = SyntheticOptions
@@ -341,4 +353,8 @@ def load_taskset(config: TasksConfig, workdir: Path) -> TaskSet:
     check_unique_ids(taskset.heldout, f"the held-out tasks of {config.loader!r}")
     if not taskset.heldout:
         raise TaskError(f"tasks.loader {config.loader!r} returned no held-out tasks")
+    for i, task in enumerate(taskset.transfer):
+        if not isinstance(task, Task):
+            raise TaskError(f"tasks.loader {config.loader!r}: transfer task {i} is a {type(task).__name__}, not a Task")
+    check_unique_ids([*taskset.heldout, *taskset.transfer], f"the held-out and transfer tasks of {config.loader!r}")
     return taskset

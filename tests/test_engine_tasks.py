@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -117,3 +118,22 @@ def test_passage_loader_formats_and_errors(tmp_path):
         load_passages(bad)
     with pytest.raises(ValueError, match="HotpotQA"):
         load_hotpotqa(FIXTURES / "musique_ans_dev_fixture.jsonl")
+
+
+def test_synthetic_transfer_tasks_are_held_out_and_harder(tmp_path):
+    from agentrl.engine.tasksets import SyntheticOptions, TasksConfig, load_taskset
+
+    config = TasksConfig(loader="synthetic", options={"num_companies": 100, "heldout_num": 20, "heldout_hops": [1, 2],
+                                                       "num_train": 20, "transfer_num": 8})
+    taskset = load_taskset(config, tmp_path)
+    assert len(taskset.transfer) == 8 and {t.metadata["num_hops"] for t in taskset.transfer} == {3}
+    assert not {t.task_id for t in taskset.transfer} & {t.task_id for t in taskset.heldout}
+    train = list(itertools.islice(taskset.train_stream(lambda: 0), 20))
+    train_starts = {t.metadata["supporting_ids"][0] for t in train}
+    # held-out split: no transfer question starts from an entity a training question starts from
+    assert not {t.metadata["supporting_ids"][0] for t in taskset.transfer} & train_starts
+    none = load_taskset(TasksConfig(loader="synthetic", options={"num_companies": 100, "heldout_num": 4, "num_train": 4,
+                                                                 "transfer_num": 0}), tmp_path / "none")
+    assert none.transfer == []
+    with pytest.raises(ValueError, match="transfer_hops"):
+        SyntheticOptions(transfer_hops=[5])

@@ -26,7 +26,9 @@ def test_report_states_the_paired_comparison(tmp_path):
                 "by_num_hops": {"1": {"score": by[0], "n": 2}, "2": {"score": by[1], "n": 2}}}
 
     phases = {"baseline": {"base_tool_call": summary(0.0, 0, (0.0, 0.0))},
-              "sft": summary(0.25, 12, (0.5, 0.0)), "final": summary(0.75, 30, (1.0, 0.5))}
+              "sft": summary(0.25, 12, (0.5, 0.0)), "final": summary(0.75, 30, (1.0, 0.5)),
+              "final_transfer": {"score": 0.125, "score_metric": "em", "em": 0.125, "n": 8, "served_version": 30,
+                                 "by_num_hops": {"3": {"score": 0.125, "n": 8}}}}
     (tmp_path / "phases.json").write_text(json.dumps(phases))
     (tmp_path / "evals").mkdir()
     for label, version, ems in (("sft", 12, [1, 0, 0, 0]), ("final", 30, [1, 1, 1, 0])):
@@ -43,3 +45,4 @@ def test_report_states_the_paired_comparison(tmp_path):
     assert "- hops = 1 (2 questions): RL gained 1, lost 0, p = 1" in text
     assert "- hops = 2 (2 questions): RL gained 1, lost 0, p = 1" in text
     assert paired_by(tmp_path, ("sft", phases["sft"]), ("final", phases["final"]))["num_hops"]["2"]["gained"] == 1
+    assert "on transfer tasks, harder than any trained on: em **0.125** (n=8; num_hops=3: 0.125 (n=8))" in text

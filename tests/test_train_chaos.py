@@ -24,6 +24,7 @@ minutes = 4.0
 [tasks.options]
 heldout_num = 4
 heldout_hops = [1]
+transfer_num = 0
 num_train = 48
 [services]
 tools = ["search"]

@@ -31,6 +31,7 @@ minutes = 7.0  # after set-up: baseline evaluation, SFT, RL and the final evalua
 [tasks.options]
 heldout_num = 6
 heldout_hops = [1]
+transfer_num = 3  # 3-hop, held-out split
 num_train = 64
 demonstration_hops = [1]
 [[tasks.options.curriculum]]
@@ -171,7 +172,8 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
         episodes = [json.loads(line) for line in f]
     assert len(episodes) == final["n"] and all(e["text"].startswith("<|im_start|>system") for e in episodes)
     # Then the same policy once more with its tools disabled: every call failed, none was answered.
-    assert evals[-1]["label"] == "final_without_tools" and summary["em_after_without_tools"] == round(evals[-1]["em"], 4)
+    without_tools = next(e for e in evals if e["label"] == "final_without_tools")
+    assert summary["em_after_without_tools"] == round(without_tools["em"], 4)
     with gzip.open(out / "evals" / f"final_without_tools-v{final['served_version']}.text.jsonl.gz", "rt") as f:
         texts = [json.loads(line)["text"] for line in f]
     assert len(texts) == final["n"]
@@ -179,6 +181,11 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     assert all(p.count("disabled in this evaluation") == p.count("<tool_response>") for p in episode_parts)
     assert "fail_stopped_early" in final and "fail_truncated" in final
     assert "with every tool disabled" in Path(summary["report"]).read_text()
+    # And on the transfer tasks (3-hop, never trained on), after the budget: a figure in the JSON line.
+    transfer = next(e for e in evals if e["label"] == "final_transfer")
+    assert transfer["n"] == 3 and transfer["served_version"] == final["served_version"]
+    assert summary["em_after_transfer_by_hops"] == {"3": round(transfer["em"], 4)}
+    assert "transfer tasks, harder than any trained on" in Path(summary["report"]).read_text()
 
     # The run's end exported the policy; evaluated alone (a fresh server, the run's config from the
     # folder), it scores what the run's final evaluation did.
