@@ -137,3 +137,6 @@ def test_synthetic_transfer_tasks_are_held_out_and_harder(tmp_path):
     assert none.transfer == []
     with pytest.raises(ValueError, match="transfer_hops"):
         SyntheticOptions(transfer_hops=[5])
+    with pytest.raises(ValueError, match="transfer_num = 10000: the world's held-out split has"):
+        load_taskset(TasksConfig(loader="synthetic", options={"num_companies": 100, "heldout_num": 4, "num_train": 4,
+                                                              "transfer_num": 10_000}), tmp_path / "many")
