@@ -649,9 +649,10 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
                 summary[f"calls_{label}_{name}"] = {v: round(c["calls_per_episode"], 3) for v, c in s[key].items()}
     if "final_without_tools" in phases:
         summary[f"{final['score_metric']}_after_without_tools"] = round(phases["final_without_tools"]["score"], 4)
-    if "final_transfer" in phases:  # e.g. em_after_transfer_by_hops {"3": ...}
+    if "final_transfer" in phases:  # synthetic QA: 3-hop questions; by_hops only when they mix hop counts
         transfer = phases["final_transfer"]
         summary[f"{final['score_metric']}_after_transfer"] = round(transfer["score"], 4)
+        summary["calls_after_transfer"] = round(transfer["calls_per_episode"], 3)
         for key in sorted(k for k in transfer if k.startswith("by_")):
             summary[f"{final['score_metric']}_after_transfer_{key.replace('by_num_', 'by_')}"] = {
                 v: round(c["score"], 4) for v, c in transfer[key].items()}
