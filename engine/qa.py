@@ -47,7 +47,7 @@ INTRO = ('You answer questions by searching a knowledge base. Call a tool with <
 # on this machine with SmolLM2-135M-Instruct (vLLM, 4 questions x 4 samples, first turn, 60 tokens):
 # the same example written as text inside the system prompt gave 2/16 valid search calls at T=1.0,
 # 6/16 at T=0.7 and 0/4 greedy; as chat turns, 6/16, 12/16 and 4/4.
-EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
+EXAMPLE_2HOP: tuple[tuple[str, str], ...] = (
     ("user", "Question: Which city was the founder of Brimbell Optics born in?"),
     ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "founder of Brimbell Optics"}}</tool_call>'),
     ("tool", "<tool_response>\n[1] Brimbell Optics: Brimbell Optics was founded by Oska Venn in 1987.\n</tool_response>"),
@@ -55,6 +55,23 @@ EXAMPLE_MESSAGES: tuple[tuple[str, str], ...] = (
     ("tool", "<tool_response>\n[1] Oska Venn: Oska Venn was born in Lorrowby.\n</tool_response>"),
     ("assistant", "<answer>Lorrowby</answer>"),
 )
+
+# A 1-hop worked example whose search returns three passages, the answer in [1] and the asked-about
+# entity named in [2] in another role, as real results are. Shown with the 2-hop one
+# (`worked_examples = [1, 2]`) it tells the policy that a question about a named entity's own fact
+# needs one search: with the 2-hop example alone, SFT taught two searches for every question
+# (lever set C: 55 of 60 held-out 1-hop questions searched twice, 1-hop EM 0.35; docs/notes/issue-15.md).
+EXAMPLE_1HOP: tuple[tuple[str, str], ...] = (
+    ("user", "Question: Which company makes the Tessick Lamp?"),
+    ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "who makes the Tessick Lamp"}}</tool_call>'),
+    ("tool", "<tool_response>\n[1] Tessick Lamp: The Tessick Lamp is made by Quorran Works. The Tessick Lamp went on sale in 1994.\n"
+             "[2] Quorran Works: Quorran Works was founded by Ilda Marsk in 1979.\n"
+             "[3] Vendle Lamp: The Vendle Lamp is made by Osprane Glass.\n</tool_response>"),
+    ("assistant", "<answer>Quorran Works</answer>"),
+)
+
+EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: EXAMPLE_2HOP}
+EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
 NAIVE_RAG_SYSTEM_PROMPT = "Answer the question using the passages. Write only the answer, as <answer>short answer</answer>."
 
@@ -86,11 +103,18 @@ class QAOptions:
     """Weight of the `retrieval` process term (module docstring); 0 = no term."""
     retrieval_top_k: int = 3
     """A supporting passage counts only when a search ranks it among its first this many results."""
+    worked_examples: list[int] = dataclasses.field(default_factory=lambda: [2])
+    """Hop counts of the worked examples shown before the question, in order (each of 1 and 2 at
+    most once); shown only when `env.worked_example` is on."""
 
     def __post_init__(self) -> None:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
             raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
                              f"{self.retrieval_reward} and {self.retrieval_top_k}")
+        hops = list(self.worked_examples)
+        if not hops or len(set(hops)) != len(hops) or any(h not in EXAMPLES_BY_HOPS for h in hops):
+            raise ValueError(f"worked_examples must list distinct hop counts from {sorted(EXAMPLES_BY_HOPS)}, "
+                             f"got {hops}")
 
 
 class MultiHopQAEnv(ToolEnv):
@@ -104,7 +128,7 @@ class MultiHopQAEnv(ToolEnv):
         return INTRO
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
-        return EXAMPLE_MESSAGES
+        return tuple(m for h in self.options.worked_examples for m in EXAMPLES_BY_HOPS[h])
 
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         if episode.answer is None:
