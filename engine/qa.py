@@ -56,17 +56,26 @@ EXAMPLE_2HOP: tuple[tuple[str, str], ...] = (
     ("assistant", "<answer>Lorrowby</answer>"),
 )
 
-# A 1-hop worked example whose search returns three passages, the answer in [1] and the asked-about
-# entity named in [2] in another role, as real results are. Shown with the 2-hop one
-# (`worked_examples = [1, 2]`) it tells the policy that a question about a named entity's own fact
-# needs one search: with the 2-hop example alone, SFT taught two searches for every question
-# (lever set C: 55 of 60 held-out 1-hop questions searched twice, 1-hop EM 0.35; docs/notes/issue-15.md).
+# A 1-hop worked example. Its search returns what the real search returns over EXAMPLE_1HOP_PASSAGES
+# (three passages, the answer in [1], two that share a word with the query; checked in
+# tests/test_engine_qa_multihop.py). Shown with the 2-hop one (`worked_examples = [1, 2]`) it shows
+# the policy that a question about a named entity's own fact needs one search: with the 2-hop
+# example alone, SFT taught two searches for every question (lever set C: 55 of 60 held-out 1-hop
+# questions searched twice, 1-hop EM 0.35; docs/notes/issue-15.md).
+EXAMPLE_1HOP_PASSAGES: tuple[dict, ...] = (
+    {"id": "ex-1", "title": "Tessick Lamp", "text": "The Tessick Lamp is made by Quorran Works. The Tessick Lamp went on sale in 1994."},
+    {"id": "ex-2", "title": "Vendle Lamp", "text": "The Vendle Lamp is made by Osprane Glass. The Vendle Lamp went on sale in 2001."},
+    {"id": "ex-3", "title": "Quorran Works", "text": "Quorran Works was founded by Ilda Marsk in 1979. Quorran Works employs 412 people."},
+    {"id": "ex-4", "title": "Ilda Marsk", "text": "Ilda Marsk was born in Tessick. Ilda Marsk worked as a potter before starting a company."},
+)
 EXAMPLE_1HOP: tuple[tuple[str, str], ...] = (
     ("user", "Question: Which company makes the Tessick Lamp?"),
     ("assistant", '<tool_call>{"name": "search", "arguments": {"query": "who makes the Tessick Lamp"}}</tool_call>'),
-    ("tool", "<tool_response>\n[1] Tessick Lamp: The Tessick Lamp is made by Quorran Works. The Tessick Lamp went on sale in 1994.\n"
-             "[2] Quorran Works: Quorran Works was founded by Ilda Marsk in 1979.\n"
-             "[3] Vendle Lamp: The Vendle Lamp is made by Osprane Glass.\n</tool_response>"),
+    ("tool", "<tool_response>\n"
+             "[1] Tessick Lamp: The Tessick Lamp is made by Quorran Works. The Tessick Lamp went on sale in 1994.\n"
+             "[2] Vendle Lamp: The Vendle Lamp is made by Osprane Glass. The Vendle Lamp went on sale in 2001.\n"
+             "[3] Ilda Marsk: Ilda Marsk was born in Tessick. Ilda Marsk worked as a potter before starting a company.\n"
+             "</tool_response>"),
     ("assistant", "<answer>Quorran Works</answer>"),
 )
 

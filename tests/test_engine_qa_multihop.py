@@ -9,10 +9,17 @@ from transformers import AutoTokenizer
 
 from agentrl.common.model import prepare_model
 from agentrl.engine.chat import ChatFormat
-from agentrl.engine.env import CallRecord, EnvConfig
+from agentrl.engine.env import CallRecord, EnvConfig, format_content
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
 from agentrl.engine.evaluation import summarize
-from agentrl.engine.qa import FAILURE_LABELS, MultiHopQAEnv, QAOptions, retrieval_credit
+from agentrl.engine.qa import (
+    EXAMPLE_1HOP,
+    EXAMPLE_1HOP_PASSAGES,
+    FAILURE_LABELS,
+    MultiHopQAEnv,
+    QAOptions,
+    retrieval_credit,
+)
 from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import LocalSearchTool
 from agentrl.report import failure_table
@@ -152,3 +159,36 @@ async def test_per_hop_summary_and_report_carry_the_failure_shares(chat, world_t
     table = "\n".join(failure_table([("After RL (final)", summary)]))
     assert "| After RL (final) | 2 | 2 | 0.000 | 1.00 | 0.00 | 0.00 | 1.00 | 0.00 |" in table
     assert "| intermediate | query | retrieved | stopped_early | truncated |" in table
+
+
+def test_worked_examples_option_orders_the_examples_before_the_question(chat, world_tasks):
+    world, tasks = world_tasks
+    task = two_hop(tasks)
+
+    def prompt(**options) -> str:
+        return chat.decode(make_env(chat, world, **options).reset(task).token_ids)
+
+    one, two, question = "Which company makes the Tessick Lamp?", "the founder of Brimbell Optics", task.prompt
+    default = prompt()
+    assert two in default and one not in default and default.index(two) < default.rindex(question)
+    both = prompt(worked_examples=[1, 2])
+    assert both.index(one) < both.index(two) < both.rindex(question)
+    assert "<answer>Quorran Works</answer>" in both
+    flipped = prompt(worked_examples=[2, 1])
+    assert flipped.index(two) < flipped.index(one) < flipped.rindex(question)
+    assert one in prompt(worked_examples=[1]) and two not in prompt(worked_examples=[1])
+    for bad in ([], [3], [1, 1]):
+        with pytest.raises(ValueError, match="worked_examples"):
+            QAOptions(worked_examples=bad)
+
+
+def test_the_one_hop_worked_example_shows_what_the_real_search_returns():
+    # The example's tool turn is the search tool's own result over the example's made-up passages,
+    # rendered as the environment renders tool results: the policy sees the same layout in the
+    # example as in its episodes (three ranked passages, the answer in [1]).
+    tool = LocalSearchTool(list(EXAMPLE_1HOP_PASSAGES))
+    (_, question), (_, call), (_, response), (_, final) = EXAMPLE_1HOP
+    query = call.split('"query": "')[1].split('"')[0]
+    assert response == f"<tool_response>\n{format_content(tool.search(query))}\n</tool_response>"
+    assert response.count("\n[") == 3 and "[1] Tessick Lamp" in response
+    assert final == "<answer>Quorran Works</answer>" and "Quorran Works" in response.split("[2]")[0]
