@@ -310,22 +310,24 @@ class Supervisor:
             self._log_eval(summary, trajs)
             _write_sample(self.out / "trajectories_final.jsonl", trajs[:8], conn.chat)
             self._phase_done("final", summary)
-            if cfg.eval.without_tools and not cfg.agent.enabled and "final_without_tools" not in self.phases:
-                self._phase("evaluation without tools")
-                t1 = time.monotonic()
-                summary, trajs = await evaluate(conn, self.heldout, "final_without_tools", env=conn.env.with_tools_disabled())
-                self._log_eval(summary, trajs)
-                self._phase_done("final_without_tools", summary)
-                self.diagnostic_s += time.monotonic() - t1
-            transfer = self.taskset.transfer
-            if cfg.eval.transfer and transfer and not cfg.agent.enabled and "final_transfer" not in self.phases:
-                self._phase("transfer evaluation")
-                t1 = time.monotonic()
-                summary, trajs = await evaluate(conn, transfer, "final_transfer")
-                self._log_eval(summary, trajs)
-                self._phase_done("final_transfer", summary)
-                self.diagnostic_s += time.monotonic() - t1
+            if not cfg.agent.enabled:  # diagnostics of the native environment, after the budget
+                if cfg.eval.without_tools:
+                    await self._diagnostic("final_without_tools", "evaluation without tools", self.heldout,
+                                           conn.env.with_tools_disabled())
+                if cfg.eval.transfer and self.taskset.transfer:
+                    await self._diagnostic("final_transfer", "transfer evaluation", self.taskset.transfer, conn.env)
         return self.phases
+
+    async def _diagnostic(self, label: str, title: str, tasks, env) -> None:
+        """One evaluation of the final policy after the budget; its time goes to diagnostic_s."""
+        if label in self.phases:
+            return
+        self._phase(title)
+        t1 = time.monotonic()
+        summary, trajs = await evaluate(self.conn, tasks, label, env=env)
+        self._log_eval(summary, trajs)
+        self._phase_done(label, summary)
+        self.diagnostic_s += time.monotonic() - t1
 
     def _write_prompt(self) -> None:
         """What the policy sees before each task (the export puts it in the model folder)."""

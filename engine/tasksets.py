@@ -141,11 +141,11 @@ def load_synthetic(options: SyntheticOptions, workdir: Path) -> TaskSet:
     def demonstration_pool(num: int) -> list[Task]:
         return world.questions("train", hops=options.demonstration_hops, num=num, seed=options.seed + 100)
 
-    if options.transfer_num > (available := world.num_questions("heldout", options.transfer_hops)):
-        raise ValueError(f"[tasks.options] transfer_num = {options.transfer_num}: the world's held-out split has "
-                         f"{available} questions of hops {options.transfer_hops}; lower it or raise num_companies")
-    transfer = (world.questions("heldout", hops=options.transfer_hops, num=options.transfer_num, seed=options.seed + 200)
-                if options.transfer_num else [])
+    try:
+        transfer = (world.questions("heldout", hops=options.transfer_hops, num=options.transfer_num, seed=options.seed + 200)
+                    if options.transfer_num else [])
+    except ValueError as e:  # the world's own count check, named by the option that asked
+        raise ValueError(f"[tasks.options] transfer_num = {options.transfer_num}: {e}") from e
     return TaskSet(heldout=heldout, train_pool=train_pool, corpus=world.write_corpus(workdir / "corpus.jsonl"),
                    demonstration_pool=demonstration_pool, transfer=transfer)
 

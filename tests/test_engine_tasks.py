@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -128,15 +127,21 @@ def test_synthetic_transfer_tasks_are_held_out_and_harder(tmp_path):
     taskset = load_taskset(config, tmp_path)
     assert len(taskset.transfer) == 8 and {t.metadata["num_hops"] for t in taskset.transfer} == {3}
     assert not {t.task_id for t in taskset.transfer} & {t.task_id for t in taskset.heldout}
-    train = list(itertools.islice(taskset.train_stream(lambda: 0), 20))
-    train_starts = {t.metadata["supporting_ids"][0] for t in train}
-    # held-out split: no transfer question starts from an entity a training question starts from
-    assert not {t.metadata["supporting_ids"][0] for t in taskset.transfer} & train_starts
+    # Held-out split: no transfer question starts from a fact any training question (of any hop
+    # count, all of them) starts from, while every one starts from a fact some held-out question does.
+    world = SyntheticWorld.generate(SyntheticQAConfig(seed=0, num_companies=100))
+
+    def first_facts(split):
+        return {t.metadata["supporting_ids"][0]
+                for t in world.questions(split, hops=(1, 2, 3), num=world.num_questions(split, (1, 2, 3)))}
+
+    transfer_starts = {t.metadata["supporting_ids"][0] for t in taskset.transfer}
+    assert not transfer_starts & first_facts("train") and transfer_starts <= first_facts("heldout")
     none = load_taskset(TasksConfig(loader="synthetic", options={"num_companies": 100, "heldout_num": 4, "num_train": 4,
                                                                  "transfer_num": 0}), tmp_path / "none")
     assert none.transfer == []
     with pytest.raises(ValueError, match="transfer_hops"):
         SyntheticOptions(transfer_hops=[5])
-    with pytest.raises(ValueError, match="transfer_num = 10000: the world's held-out split has"):
+    with pytest.raises(ValueError, match=r"transfer_num = 10000: asked for 10000 heldout questions with hops \[3\] but the world has \d+"):
         load_taskset(TasksConfig(loader="synthetic", options={"num_companies": 100, "heldout_num": 4, "num_train": 4,
                                                               "transfer_num": 10_000}), tmp_path / "many")
