@@ -3,7 +3,8 @@
 Real parts: the learner's GroupReceiver (ROUTER) and VersionPublisher (PUB), the actor's
 GroupSender (DEALER) and VersionSubscriber (SUB), over real TCP on 127.0.0.1, with keys made by
 zmq.auth.create_certificates; the configs that carry the keys (LearnerConfig, ActorConfig, the
-supervisor's learner and actor TOML files). No vLLM.
+supervisor's learner and actor TOML files); the last test runs two real `agentrl actor` processes on the
+session's vLLM server.
 """
 
 from __future__ import annotations
@@ -389,3 +390,86 @@ max_row_tokens = 256
             await part.close()
     assert sender.num_acked == 2 and bad_sender.num_acked == 0
     assert sorted(gid for line in read_metrics(run_dir / "metrics.jsonl") for gid in line["group_ids"]) == ["ok-0", "ok-1"]
+
+
+# --- a real actor process --------------------------------------------------------------------------
+
+
+def _actor_toml(path: Path, vllm_url: str, model_dir, group_ep: str, version_ep: str, server_key: str,
+                client_key: str) -> Path:
+    """The smallest actor: synthetic tasks, no tools, one turn of 16 tokens, groups of 2."""
+    path.write_text(f"""
+vllm = ["{vllm_url}"]
+model_dir = "{model_dir}"
+group_endpoint = "{group_ep}"
+version_endpoint = "{version_ep}"
+curve_server_key = "{server_key}"
+curve_client_key = "{client_key}"
+out_dir = "{path.parent / 'out'}"
+
+[tasks]
+loader = "synthetic"
+[tasks.options]
+num_companies = 60
+heldout_num = 4
+num_train = 8
+transfer_num = 0
+
+[env]
+max_turns = 1
+max_action_tokens = 16
+
+[orchestrator]
+group_size = 2
+max_concurrent_episodes = 4
+max_groups_in_flight = 1
+""")
+    return path
+
+
+@pytest.mark.slow
+async def test_a_real_actor_process_exits_on_a_refused_key_and_an_authorized_one_sends(keys, tmp_path, vllm_server,
+                                                                                       model_dir):
+    """Two `agentrl actor` processes with one config each, against a CURVE learner's sockets: the
+    one whose key the learner does not know exits with an error naming the refusal (libzmq would
+    never retry, so waiting on would send nothing, forever); the authorized one sends its groups and
+    stops cleanly on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cfg = learner_config(keys, group_endpoint=endpoint(), version_endpoint=endpoint())
+    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
+    publisher = VersionPublisher(cfg.version_endpoint, republish_interval_s=0.1, curve=cfg.curve_keys())
+    await receiver.start()
+    await publisher.start()
+    procs, logs = {}, {}
+    try:
+        await publisher.publish(0, 0)
+        for name, secret in (("actor", keys.actor_secret), ("stranger", keys.stranger_secret)):
+            folder = tmp_path / f"run-{name}"
+            folder.mkdir()
+            config = _actor_toml(folder / "actor.toml", vllm_server.base_url, model_dir, cfg.group_endpoint,
+                                 cfg.version_endpoint, keys.server_public, secret)
+            logs[name] = folder / "actor.log"
+            with open(logs[name], "ab") as log:
+                procs[name] = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "actor", "--config", str(config)],
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        received = await asyncio.wait_for(receiver.recv(), 180)
+        await receiver.ack(received)
+        rc = await asyncio.to_thread(procs["stranger"].wait, 120)
+        stranger_log = logs["stranger"].read_text()
+        assert rc != 0 and "the learner refused this actor's connection" in stranger_log, stranger_log
+        assert "refused this client's CurveZMQ key" in stranger_log
+        assert procs["actor"].poll() is None, logs["actor"].read_text()
+        procs["actor"].send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(procs["actor"].wait, 60) == 0, logs["actor"].read_text()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        await publisher.close()
+        await receiver.close()
+    # The group the learner got is the authorized actor's: its run id names that process.
+    assert f"-{procs['actor'].pid}-" in received.group.group_id and len(received.group.trajectories) == 2
