@@ -19,6 +19,14 @@ aliases, metadata = num_hops, source, supporting passage ids, gold search querie
 
 The held-out score is EM; scores are also reported by hop count.
 
+Plan (`plan = true`, off by default): the worked examples and the demonstrations begin their first
+action with `<think>searches: N</think>`, N the question's hop count, and the instructions ask for
+it. Without it the policy takes one search count for every question, whichever the demonstrations
+mostly show (docs/notes/issue-15.md, lever sets C and D): the choice "search again or answer" comes
+after a tool result, far from the question, while the count is decided right after the question,
+whose wording names the hops ("the founder of X"). The count is text the policy writes: it is
+trained, rewarded and free to change like the rest of the action; nothing checks it.
+
 The retrieval term (`retrieval_reward` > 0) pays for finding the task's supporting passages, so
 an episode that chains a second, bridge-entity search is preferred over one that stops after the
 first even when both answers are wrong (a 2-hop group whose answers are all wrong otherwise
@@ -79,6 +87,14 @@ EXAMPLE_1HOP: tuple[tuple[str, str], ...] = (
     ("assistant", "<answer>Quorran Works</answer>"),
 )
 
+# The `plan` option (QAOptions.plan): the count of searches, stated before the first one.
+PLAN_INSTRUCTION = "Before the first search, write how many searches the question needs, as <think>searches: N</think>."
+
+
+def plan_text(num_searches: int) -> str:
+    return f"<think>searches: {num_searches}</think>"
+
+
 EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: EXAMPLE_2HOP}
 EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
@@ -115,6 +131,11 @@ class QAOptions:
     worked_examples: list[int] = dataclasses.field(default_factory=lambda: [2])
     """Hop counts of the worked examples shown before the question, in order (each of 1 and 2 at
     most once); shown only when `env.worked_example` is on."""
+    plan: bool = False
+    """The first action of a worked example or demonstration begins with the number of searches the
+    question needs, `<think>searches: N</think>` (N = its hop count), and the instructions ask for it:
+    the policy decides how often to search right after reading the question, and the later
+    "search again or answer" step can read its own count (module docstring: Plan)."""
 
     def __post_init__(self) -> None:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
@@ -134,10 +155,15 @@ class MultiHopQAEnv(ToolEnv):
     user_prefix = "Question: "
 
     def intro(self) -> str:
-        return INTRO
+        return f"{INTRO} {PLAN_INSTRUCTION}" if self.options.plan else INTRO
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
-        return tuple(m for h in self.options.worked_examples for m in EXAMPLES_BY_HOPS[h])
+        messages = []
+        for h in self.options.worked_examples:
+            first = next(i for i, (role, _) in enumerate(EXAMPLES_BY_HOPS[h]) if role == "assistant")
+            messages += [(role, plan_text(h) + content if self.options.plan and i == first else content)
+                         for i, (role, content) in enumerate(EXAMPLES_BY_HOPS[h])]
+        return tuple(messages)
 
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         if episode.answer is None:
@@ -155,8 +181,11 @@ class MultiHopQAEnv(ToolEnv):
         queries = task.metadata.get("gold_queries") or []
         if not queries:
             return None
-        return [*(self.parser.format_call("search", {"query": q}) for q in queries),
-                self.parser.format_answer(answers(task)[0])]
+        actions = [*(self.parser.format_call("search", {"query": q}) for q in queries),
+                   self.parser.format_answer(answers(task)[0])]
+        if self.options.plan:
+            actions[0] = plan_text(len(queries)) + actions[0]
+        return actions
 
     async def baselines(self, tasks: list[Task]) -> dict[str, ToolEnv]:
         if "search" not in self.tools:

@@ -192,3 +192,29 @@ def test_the_one_hop_worked_example_shows_what_the_real_search_returns():
     assert response == f"<tool_response>\n{format_content(tool.search(query))}\n</tool_response>"
     assert response.count("\n[") == 3 and "[1] Tessick Lamp" in response
     assert final == "<answer>Quorran Works</answer>" and "Quorran Works" in response.split("[2]")[0]
+
+
+async def test_plan_option_states_the_search_count_in_examples_and_demonstrations(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, worked_examples=[1, 2])
+    plain = make_env(chat, world, worked_examples=[1, 2])
+    one = next(t for t in tasks if t.metadata["num_hops"] == 1)
+    two = two_hop(tasks)
+    # Demonstrations: the count is the question's hop count, before the first call only.
+    for task, n in ((one, 1), (two, 2)):
+        actions = env.demonstration(task)
+        assert actions[0].startswith(f"<think>searches: {n}</think><tool_call>")
+        assert not any("<think>" in a for a in actions[1:])
+        assert actions[0].removeprefix(f"<think>searches: {n}</think>") == plain.demonstration(task)[0]
+        # The demonstration still plays as a correct episode: the count is no parse error.
+        traj = await play(env, task, actions)
+        assert traj.metrics["em"] == 1.0 and traj.metrics["num_tool_calls"] == n
+        assert not any(t.process_rewards.get("malformed_call") for t in traj.turns)
+    # Worked examples: each first assistant turn carries its own count; the instructions ask for it.
+    prompt = chat.decode(env.reset(two).token_ids)
+    assert prompt.count("<think>searches: 1</think>") == 1 and prompt.count("<think>searches: 2</think>") == 1
+    assert prompt.index("<think>searches: 1</think>") < prompt.index("Tessick Lamp is made by")
+    assert "how many searches" in env.system_prompt
+    default = make_env(chat, world)
+    assert "<think>" not in chat.decode(default.reset(two).token_ids) and "how many searches" not in default.system_prompt
+    assert not any("<think>" in a for a in default.demonstration(two))
