@@ -1,38 +1,54 @@
-"""Probe: p(count token) after '<think>searches: ' for each held-out question, by hop count."""
-import sys, json, statistics
+"""How well a policy's search count separates 1-hop from 2-hop questions (issue 15, lever sets E/F).
+
+For each held-out question of the embedded default's world, the probability the policy gives to
+"1" against "2" right after `<think>searches: ` (the `plan` option's count), by hop count, with the
+AUC of that probability as a 1-hop-vs-2-hop score. Greedy decoding writes "1" only where it is
+above 0.5, so a policy can separate the questions (AUC well above 0.5) and still write the same
+count for all of them.
+
+    python -P docs/notes/experiments/plan_probe.py RUN_DIR/hf [WORLD_SEED]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig
-from agentrl.engine.qa import MultiHopQAEnv, QAOptions
+from agentrl.engine.qa import MultiHopQAEnv, QAOptions, plan_text
 from agentrl.engine.tasksets import TasksConfig, load_taskset
 from agentrl.engine.tools import LocalSearchTool
-import tempfile, pathlib
 
-model_dir = sys.argv[1]
-tok = AutoTokenizer.from_pretrained(model_dir)
-model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-chat = ChatFormat(tok)
-ts = load_taskset(TasksConfig(loader="synthetic", options={"seed": int(sys.argv[2]) if len(sys.argv) > 2 else 0,
-                  "num_companies": 400, "heldout_num": 96, "heldout_hops": [1, 2], "num_train": 400, "transfer_num": 0}),
-                  pathlib.Path(tempfile.mkdtemp()))
-env = MultiHopQAEnv(chat, EnvConfig(max_turns=4, tool_list="signature"), QAOptions(worked_examples=[1, 2], plan=True))
-from agentrl.engine.tools import Tool
-passages = [json.loads(l) for l in open(ts.corpus)]
-env.register_tool(LocalSearchTool(passages))
-ids_1, ids_2 = tok.encode("1", add_special_tokens=False), tok.encode("2", add_special_tokens=False)
-assert len(ids_1) == len(ids_2) == 1
-prefix = tok.encode("<think>searches: ", add_special_tokens=False)
-res = {1: [], 2: []}
-with torch.no_grad():
-    for t in ts.heldout:
-        ids = list(env.reset(t).token_ids) + prefix
-        logits = model(torch.tensor([ids])).logits[0, -1]
-        p = torch.softmax(logits, -1)
-        res[t.metadata["num_hops"]].append(float(p[ids_1[0]] / (p[ids_1[0]] + p[ids_2[0]])))
-for h, v in res.items():
-    print(h, len(v), "mean p(1)=%.3f median=%.3f min=%.3f max=%.3f" % (statistics.mean(v), statistics.median(v), min(v), max(v)))
-pairs = sum((a > b) + 0.5 * (a == b) for a in res[1] for b in res[2]) / (len(res[1]) * len(res[2]))
-print("AUC p(1) separates 1-hop from 2-hop:", round(pairs, 3))
-for thr in (0.2, 0.25, 0.3, 0.35, 0.4, 0.5):
-    print(thr, "1-hop say 1:", sum(x > thr for x in res[1]), "/", len(res[1]), " 2-hop say 1:", sum(x > thr for x in res[2]), "/", len(res[2]))
+
+def main(model_dir: str, world_seed: int = 0) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    options = {"seed": world_seed, "num_companies": 400, "heldout_num": 96, "heldout_hops": [1, 2], "num_train": 400,
+               "transfer_num": 0}
+    taskset = load_taskset(TasksConfig(loader="synthetic", options=options), Path(tempfile.mkdtemp()))
+    env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, tool_list="signature"),
+                        QAOptions(worked_examples=[1, 2], plan=True))
+    env.register_tool(LocalSearchTool([json.loads(line) for line in open(taskset.corpus)]))
+    (one,), (two,) = (tokenizer.encode(d, add_special_tokens=False) for d in "12")
+    prefix = tokenizer.encode(plan_text(0).split("0")[0], add_special_tokens=False)  # "<think>searches: "
+    p_one: dict[int, list[float]] = {1: [], 2: []}
+    with torch.no_grad():
+        for task in taskset.heldout:
+            probs = torch.softmax(model(torch.tensor([[*env.reset(task).token_ids, *prefix]])).logits[0, -1], -1)
+            p_one[task.metadata["num_hops"]].append(float(probs[one] / (probs[one] + probs[two])))
+    for hops, values in p_one.items():
+        print(f"{hops}-hop: n={len(values)} p(1) mean {statistics.mean(values):.3f} median {statistics.median(values):.3f} "
+              f"min {min(values):.3f} max {max(values):.3f}; greedy writes 1 on {sum(v > 0.5 for v in values)}")
+    auc = sum((a > b) + 0.5 * (a == b) for a in p_one[1] for b in p_one[2]) / (len(p_one[1]) * len(p_one[2]))
+    print(f"AUC of p(1), 1-hop against 2-hop: {auc:.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
