@@ -21,11 +21,12 @@ The held-out score is EM; scores are also reported by hop count.
 
 Plan (`plan = true`, off by default): the worked examples and the demonstrations begin their first
 action with `<think>searches: N</think>`, N the question's hop count, and the instructions ask for
-it. Without it the policy takes one search count for every question, whichever the demonstrations
-mostly show (docs/notes/issue-15.md, lever sets C and D): the choice "search again or answer" comes
-after a tool result, far from the question, while the count is decided right after the question,
-whose wording names the hops ("the founder of X"). The count is text the policy writes: it is
-trained, rewarded and free to change like the rest of the action; nothing checks it.
+it, so that the search count is decided right after the question, whose wording names the hops
+("the founder of X"), instead of after a tool result. The count is text the policy writes: trained,
+rewarded and free to change like the rest of the action; nothing checks it. Measured (lever set E,
+docs/notes/issue-15.md): after 20 SFT steps the policy still writes one count for every question
+(p("1") 0.31 on 1-hop against 0.26 on 2-hop questions), so the option alone does not make the
+choice per question.
 
 The retrieval term (`retrieval_reward` > 0) pays for finding the task's supporting passages, so
 an episode that chains a second, bridge-entity search is preferred over one that stops after the
@@ -66,10 +67,10 @@ EXAMPLE_2HOP: tuple[tuple[str, str], ...] = (
 
 # A 1-hop worked example. Its search returns what the real search returns over EXAMPLE_1HOP_PASSAGES
 # (three passages, the answer in [1], two that share a word with the query; checked in
-# tests/test_engine_qa_multihop.py). Shown with the 2-hop one (`worked_examples = [1, 2]`) it shows
-# the policy that a question about a named entity's own fact needs one search: with the 2-hop
-# example alone, SFT taught two searches for every question (lever set C: 55 of 60 held-out 1-hop
-# questions searched twice, 1-hop EM 0.35; docs/notes/issue-15.md).
+# tests/test_engine_qa_multihop.py), shown with the 2-hop one by `worked_examples = [1, 2]`.
+# Measured (docs/notes/issue-15.md, lever set D): it raises the untrained model's EM from 0.021 to
+# 0.146 and makes a policy trained without it search once on every question; after 20 SFT steps
+# on two thirds 2-hop demonstrations the policy searches twice on every question with it or without.
 EXAMPLE_1HOP_PASSAGES: tuple[dict, ...] = (
     {"id": "ex-1", "title": "Tessick Lamp", "text": "The Tessick Lamp is made by Quorran Works. The Tessick Lamp went on sale in 1994."},
     {"id": "ex-2", "title": "Vendle Lamp", "text": "The Vendle Lamp is made by Osprane Glass. The Vendle Lamp went on sale in 2001."},
