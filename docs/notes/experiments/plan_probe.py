@@ -29,7 +29,7 @@ from agentrl.engine.tools import LocalSearchTool
 
 def main(model_dir: str, world_seed: int = 0) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     options = {"seed": world_seed, "num_companies": 400, "heldout_num": 96, "heldout_hops": [1, 2], "num_train": 400,
                "transfer_num": 0}
     taskset = load_taskset(TasksConfig(loader="synthetic", options=options), Path(tempfile.mkdtemp()))
