@@ -180,6 +180,15 @@ class Supervisor:
             proc.stop(timeout_s=60)
         if self.services is not None:
             self.services.stop()
+        self._sweep_weights()
+
+    def _sweep_weights(self) -> None:
+        """Remove the weights files of stopped learners (a SIGKILLed or early-stopped one leaves its
+        last push's file in /dev/shm; agentrl.common.weights)."""
+        from agentrl.common.weights import sweep_weights_dirs
+
+        for path in sweep_weights_dirs():
+            self.say(f"removed {path}, left by a stopped process")
 
     # -- learner / actor processes
     def _learner_curve(self) -> tuple[dict, dict]:
@@ -440,6 +449,7 @@ class Supervisor:
             # In threads: the event loop must keep answering the tool services' heartbeats.
             await asyncio.to_thread(actor.stop, 30)
             await asyncio.to_thread(learner.stop, 120)
+            self._sweep_weights()
         self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll()})
 
     def _final_eval_reserve_s(self) -> float:

@@ -1,11 +1,14 @@
 """WeightPublisher: how often a push makes the servers drop their KV (kv_refresh_every); per-server push
-isolation (a down server is marked down, the others get the weights, it is re-pushed when it answers)."""
+isolation (a down server is marked down, the others get the weights, it is re-pushed when it answers);
+the weights files a killed writer leaves behind are found by its PID and removed."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +18,45 @@ from aiohttp import web
 
 from agentrl.common import weights
 from agentrl.learner.publish import WeightPublisher
+
+WRITER = """
+import sys, time, torch
+from agentrl.common import weights
+weights.SHM_DIR = sys.argv[1]
+print(weights.write_weights({"w": torch.zeros(100_000)}), flush=True)
+if sys.argv[2] == "wait":
+    time.sleep(600)
+"""
+
+
+def _writer(root: Path, mode: str) -> tuple[subprocess.Popen, Path]:
+    proc = subprocess.Popen([sys.executable, "-P", "-c", WRITER, str(root), mode], stdout=subprocess.PIPE, text=True)
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def test_a_killed_writers_weights_are_removed_by_pid_and_a_live_ones_are_kept(tmp_path, monkeypatch):
+    proc, path = _writer(tmp_path, "wait")
+    try:
+        own = tmp_path / f"agentrl-weights-{proc.pid}"
+        assert path.parent == own and path.stat().st_size > 400_000
+        assert list(tmp_path.iterdir()) == [own]  # safetensors' temporary file was written inside it too
+        assert weights.sweep_weights_dirs(tmp_path) == [] and path.exists()  # its writer runs
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    # The next writer (here: this process) sweeps what the killed one left.
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    mine = weights.write_weights({"w": torch.zeros(10)})
+    assert not own.exists() and list(tmp_path.iterdir()) == [mine.parent]
+    assert weights.sweep_weights_dirs(tmp_path) == []  # this process runs: its directory stays
+
+
+def test_a_writer_that_exits_normally_leaves_nothing(tmp_path):
+    proc, path = _writer(tmp_path, "exit")
+    assert proc.wait(timeout=60) == 0 and path.name.endswith(".safetensors")
+    proc.stdout.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_every_kth_push_recomputes_the_servers_kv(monkeypatch, tmp_path):
@@ -119,7 +161,7 @@ async def test_a_down_server_does_not_stop_the_others_and_gets_the_latest_weight
             assert set(report.per_server) == {up_url} and set(report.failed) == {dead_url}
             assert up.version == str(version) and publisher.served_version == version
         assert publisher.num_push_failures[dead_url] >= 1 and publisher.num_push_failures[up_url] == 0
-        [kept] = tmp_path.glob("agentrl-weights-*")  # only the latest weights wait for the down server
+        [kept] = tmp_path.glob("agentrl-weights-*/*")  # only the latest weights wait for the down server
         async with weight_server(dead_port) as (_, revived):
             await _until(lambda: dead_url not in publisher.down)
             assert revived.pushes == ["2"] and publisher.num_recoveries == 1
@@ -135,7 +177,7 @@ async def test_a_down_server_does_not_stop_the_others_and_gets_the_latest_weight
         assert set(report.per_server) == {up_url} and dead_url in publisher.down and up.version == "4"
         assert publisher.versions == {up_url: 4} and publisher.served_version == 4
         await publisher.close()
-        assert not list(tmp_path.glob("agentrl-weights-*"))
+        assert not list(tmp_path.glob("agentrl-weights-*/*"))
 
 
 async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_the_rest(monkeypatch, tmp_path):

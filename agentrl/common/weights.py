@@ -2,7 +2,12 @@
 
 A push, in order:
 1. (caller's side) the weights are written as safetensors to shared memory (`/dev/shm`), unless the
-   caller passes a file; writing there costs no disk I/O.
+   caller passes a file; writing there costs no disk I/O. Each process writes into its own
+   directory, `agentrl-weights-<pid>` (safetensors' temporary file included), so what a killed
+   writer leaves behind is found by its PID: `sweep_weights_dirs` removes the directories of
+   processes that no longer run. A writer sweeps on its first write, and the supervisor after it
+   stops a learner. Before this, each SIGKILLed or early-stopped learner left its weights file
+   (538 MB for the 135M model, in RAM) in /dev/shm for good.
 2. stage: the server's worker reads and validates the file (names, shapes, finite values) while
    it keeps generating. A refused push stops here: nothing was paused or applied.
 3. pause with mode `keep`: running requests freeze in the scheduler. With `recompute_kv` (the
@@ -33,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -62,12 +69,63 @@ class PushResult:
     write_s: float
 
 
+WEIGHTS_DIR_PREFIX = "agentrl-weights-"
+_own_dirs: set[Path] = set()
+"""The weights directories this process created (and removes when it exits normally)."""
+
+
+def weights_root() -> Path:
+    """Where the per-process weights directories live: /dev/shm, or the temp dir without it."""
+    return Path(SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to clean
+        return True
+    return True
+
+
+def sweep_weights_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the weights directories (`agentrl-weights-<pid>`) under `root` whose process no longer
+    runs; returns the removed ones. A directory whose PID was reused by a live process is kept."""
+    root = root or weights_root()
+    removed = []
+    for path in sorted(root.glob(WEIGHTS_DIR_PREFIX + "*")):
+        pid = path.name[len(WEIGHTS_DIR_PREFIX):]
+        if path.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def _remove_own_dir(path: Path, owner: int) -> None:
+    if os.getpid() == owner and path.is_dir():  # not in a forked child that inherited the handler
+        shutil.rmtree(path)
+
+
+def _own_weights_dir() -> Path:
+    path = weights_root() / f"{WEIGHTS_DIR_PREFIX}{os.getpid()}"
+    if path not in _own_dirs:
+        sweep_weights_dirs(path.parent)
+        if path.is_dir():  # left by a dead process that had this PID
+            shutil.rmtree(path)
+        path.mkdir(mode=0o700)
+        _own_dirs.add(path)
+        atexit.register(_remove_own_dir, path, os.getpid())
+    return path
+
+
 def write_weights(state_dict: Mapping, directory: str | None = None) -> Path:
-    """Write a state dict (name -> tensor, checkpoint names) as safetensors; returns the path."""
+    """Write a state dict (name -> tensor, checkpoint names) as safetensors; returns the path. The
+    file goes to `directory`, or by default to this process's own weights directory."""
     from safetensors.torch import save_file
 
-    directory = directory or (SHM_DIR if os.path.isdir(SHM_DIR) else None)
-    fd, path = tempfile.mkstemp(prefix="agentrl-weights-", suffix=".safetensors", dir=directory)
+    directory = directory or str(_own_weights_dir())
+    fd, path = tempfile.mkstemp(prefix="v-", suffix=".safetensors", dir=directory)
     os.close(fd)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     save_file(tensors, path)
