@@ -6,7 +6,11 @@ AUC of that probability as a 1-hop-vs-2-hop score. Greedy decoding writes "1" on
 above 0.5, so a policy can separate the questions (AUC well above 0.5) and still write the same
 count for all of them.
 
-    python -P docs/notes/experiments/plan_probe.py RUN_DIR/hf [WORLD_SEED]
+    python -P docs/notes/experiments/plan_probe.py RUN_DIR/hf [WORLD_SEED] [WORKED_EXAMPLES]
+
+WORKED_EXAMPLES: the hop counts of the worked examples in the prompt, in order (default "1,2", the
+lever sets' setting); "2,1" puts the 1-hop example last, to see whether the count is copied from
+the nearest example.
 """
 
 from __future__ import annotations
@@ -27,14 +31,14 @@ from agentrl.engine.tasksets import TasksConfig, load_taskset
 from agentrl.engine.tools import LocalSearchTool
 
 
-def main(model_dir: str, world_seed: int = 0) -> None:
+def main(model_dir: str, world_seed: int = 0, worked_examples: tuple[int, ...] = (1, 2)) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     options = {"seed": world_seed, "num_companies": 400, "heldout_num": 96, "heldout_hops": [1, 2], "num_train": 400,
                "transfer_num": 0}
     taskset = load_taskset(TasksConfig(loader="synthetic", options=options), Path(tempfile.mkdtemp()))
     env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=4, tool_list="signature"),
-                        QAOptions(worked_examples=[1, 2], plan=True))
+                        QAOptions(worked_examples=list(worked_examples), plan=True))
     env.register_tool(LocalSearchTool([json.loads(line) for line in open(taskset.corpus)]))
     (one,), (two,) = (tokenizer.encode(d, add_special_tokens=False) for d in "12")
     prefix = tokenizer.encode(plan_text(0).split("0")[0], add_special_tokens=False)  # "<think>searches: "
@@ -51,4 +55,5 @@ def main(model_dir: str, world_seed: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0,
+         tuple(int(x) for x in sys.argv[3].split(",")) if len(sys.argv) > 3 else (1, 2))
