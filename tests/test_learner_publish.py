@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -50,6 +51,24 @@ def test_a_killed_writers_weights_are_removed_by_pid_and_a_live_ones_are_kept(tm
     mine = weights.write_weights({"w": torch.zeros(10)})
     assert not own.exists() and list(tmp_path.iterdir()) == [mine.parent]
     assert weights.sweep_weights_dirs(tmp_path) == []  # this process runs: its directory stays
+
+
+def test_the_sweep_leaves_another_users_directory_and_tolerates_a_concurrent_sweeper(tmp_path, monkeypatch):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    left = tmp_path / f"agentrl-weights-{int(gone.stdout)}"  # a process that no longer runs
+    left.mkdir()
+    if os.getuid() == 0:  # only root can hand the directory to another user
+        os.chown(left, 4242, -1)
+        assert weights.sweep_weights_dirs(tmp_path) == [] and left.exists()
+        os.chown(left, 0, -1)
+
+    def removed_meanwhile(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(weights.shutil, "rmtree", removed_meanwhile)
+    assert weights.sweep_weights_dirs(tmp_path) == []  # no error: the other sweeper got it
+    monkeypatch.undo()
+    assert weights.sweep_weights_dirs(tmp_path) == [left] and not left.exists()
 
 
 def test_a_writer_that_exits_normally_leaves_nothing(tmp_path):

@@ -90,15 +90,20 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_weights_dirs(root: Path | None = None) -> list[Path]:
-    """Remove the weights directories (`agentrl-weights-<pid>`) under `root` whose process no longer
-    runs; returns the removed ones. A directory whose PID was reused by a live process is kept."""
+    """Remove this user's weights directories (`agentrl-weights-<pid>`) under `root` whose process no
+    longer runs; returns the removed ones. A directory whose PID was reused by a live process is
+    kept; another user's is left alone (it is theirs, and 0700)."""
     root = root or weights_root()
     removed = []
     for path in sorted(root.glob(WEIGHTS_DIR_PREFIX + "*")):
         pid = path.name[len(WEIGHTS_DIR_PREFIX):]
-        if path.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+        try:
+            if not (path.is_dir() and pid.isdigit() and path.stat().st_uid == os.getuid()) or _pid_alive(int(pid)):
+                continue
             shutil.rmtree(path)
-            removed.append(path)
+        except FileNotFoundError:  # another sweeper (a restarted learner, the supervisor) removed it first
+            continue
+        removed.append(path)
     return removed
 
 
