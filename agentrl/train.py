@@ -184,7 +184,8 @@ class Supervisor:
 
     def _sweep_weights(self) -> None:
         """Remove the weights files of stopped learners (a SIGKILLed or early-stopped one leaves its
-        last push's file in /dev/shm; agentrl.common.weights)."""
+        last push's file in /dev/shm; agentrl.common.weights). A learner restarted mid-run sweeps its
+        dead predecessor's on its own first push."""
         from agentrl.common.weights import sweep_weights_dirs
 
         for path in sweep_weights_dirs():
@@ -449,7 +450,6 @@ class Supervisor:
             # In threads: the event loop must keep answering the tool services' heartbeats.
             await asyncio.to_thread(actor.stop, 30)
             await asyncio.to_thread(learner.stop, 120)
-            self._sweep_weights()
         self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll()})
 
     def _final_eval_reserve_s(self) -> float:

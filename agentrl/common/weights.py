@@ -5,8 +5,8 @@ A push, in order:
    caller passes a file; writing there costs no disk I/O. Each process writes into its own
    directory, `agentrl-weights-<pid>` (safetensors' temporary file included), so what a killed
    writer leaves behind is found by its PID: `sweep_weights_dirs` removes the directories of
-   processes that no longer run. A writer sweeps on its first write, and the supervisor after it
-   stops a learner. Before this, each SIGKILLed or early-stopped learner left its weights file
+   processes that no longer run. A writer sweeps on its first write, and `agentrl train` when it
+   stops its processes. Before this, each SIGKILLed or early-stopped learner left its weights file
    (538 MB for the 135M model, in RAM) in /dev/shm for good.
 2. stage: the server's worker reads and validates the file (names, shapes, finite values) while
    it keeps generating. A refused push stops here: nothing was paused or applied.
