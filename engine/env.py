@@ -7,6 +7,8 @@ looks inside a task. The hooks (override what you need; docs/ENVIRONMENTS.md has
     intro()                    the system prompt's instructions (how to call tools, how to finish)
     system_prompt              intro + the registered tools, as JSON schemas or one-line signatures
     example_messages()         worked-example turns after the system message (() for none)
+    example_messages_for(task) the worked-example turns one task sees (default: example_messages();
+                               an environment may vary them per task, e.g. their order)
     first_messages(task)       the opening turns for a task (default: task.messages, or the user
                                message `user_prefix + task.prompt`)
     final_answer(parsed, ...)  what ends the episode with an answer (default: <answer>...</answer>;
@@ -233,8 +235,8 @@ class ToolEnv:
         self.parser = parser or HermesParser()
         self.tools: dict[str, Tool] = {}
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
-        self._prefix_ids: list[int] | None = None
-        self._prefix_messages: list[tuple[str, str, str]] = []
+        # System prompt + worked examples, tokenized once per distinct example turns (see reset).
+        self._prefixes: dict[tuple, tuple[list[int], list[tuple[str, str, str]]]] = {}
         if self.config.finish_tool is not None:
             from agentrl.engine.tools import FinishTool
 
@@ -252,6 +254,11 @@ class ToolEnv:
     def example_messages(self) -> tuple[tuple[str, str], ...]:
         """Chat turns between the system message and the task (a worked example); () for none."""
         return ()
+
+    def example_messages_for(self, task: Task) -> tuple[tuple[str, str], ...]:
+        """The worked-example turns `task` sees: `example_messages()` unless the environment varies
+        them per task. Return the same few tuples for many tasks: each distinct one is tokenized once."""
+        return self.example_messages()
 
     def first_messages(self, task: Task) -> list[tuple[str, str]]:
         """The opening (role, content) turns for `task`, after the system prompt and examples."""
@@ -293,7 +300,7 @@ class ToolEnv:
         validator_cls.check_schema(tool.parameters)
         self.tools[tool.name] = tool
         self._validators[tool.name] = validator_cls(tool.parameters)
-        self._prefix_ids = None
+        self._prefixes = {}
 
     def with_tools_disabled(self) -> ToolEnv:
         """This environment with every tool but the finish tool replaced by a `DisabledTool`: same
@@ -323,18 +330,21 @@ class ToolEnv:
         return f"{self.intro()}\n<tools>\n{list_tools([t.schema() for t in self.tools.values()], self.config.tool_list)}\n</tools>"
 
     def reset(self, task: Task) -> EpisodeState:
-        if self._prefix_ids is None:
-            # The same for every episode, so built and tokenized once (and prefix-cached by vLLM).
-            # Rebuilding the system prompt per episode (it serialises every tool schema) cost ~270 us
-            # of orchestrator CPU per episode in the capacity benchmark.
-            examples = self.example_messages() if self.config.worked_example else ()
+        examples = self.example_messages_for(task) if self.config.worked_example else ()
+        cached = self._prefixes.get(examples)
+        if cached is None:
+            # The same for every episode with these examples, so built and tokenized once (and
+            # prefix-cached by vLLM). Rebuilding the system prompt per episode (it serialises every
+            # tool schema) cost ~270 us of orchestrator CPU per episode in the capacity benchmark.
             prefix = [("system", self.system_prompt), *examples]
-            self._prefix_messages = [(role, content, CLOSED) for role, content in prefix]
-            self._prefix_ids = [i for role, content in prefix for i in self.chat.message(role, content)]
+            cached = ([i for role, content in prefix for i in self.chat.message(role, content)],
+                      [(role, content, CLOSED) for role, content in prefix])
+            self._prefixes[examples] = cached
+        prefix_ids, prefix_messages = cached
         opening = self.first_messages(task)
-        ids = [*self._prefix_ids, *(i for role, content in opening for i in self.chat.message(role, content)),
+        ids = [*prefix_ids, *(i for role, content in opening for i in self.chat.message(role, content)),
                *self.chat.assistant_head_ids]
-        messages = [*self._prefix_messages, *((role, content, CLOSED) for role, content in opening), ("assistant", "", "")]
+        messages = [*prefix_messages, *((role, content, CLOSED) for role, content in opening), ("assistant", "", "")]
         return EpisodeState(task=task, token_ids=ids, is_action=[0] * len(ids), logprobs=[0.0] * len(ids),
                             versions=[-1] * len(ids), prompt_len=len(ids), messages=messages)
 

@@ -28,6 +28,13 @@ docs/notes/issue-15.md): after 20 SFT steps the policy still writes one count fo
 (p("1") 0.31 on 1-hop against 0.26 on 2-hop questions), so the option alone does not make the
 choice per question.
 
+Worked-example order (`shuffle_worked_examples`, off by default): with worked_examples [1, 2] the
+policy copies the search count, and the decision to search again, mostly from the example nearest
+the question (session 8: moving the 1-hop example last moved p("1") by 0.23 on both kinds of
+question, the question itself by 0.05). Shuffled, each task sees one of the orders, chosen by a
+hash of its task id (fixed per task), in demonstrations, RL and evaluation alike, so the nearest
+example says nothing about the question and only the question can set the count.
+
 The retrieval term (`retrieval_reward` > 0) pays for finding the task's supporting passages, so
 an episode that chains a second, bridge-entity search is preferred over one that stops after the
 first even when both answers are wrong (a 2-hop group whose answers are all wrong otherwise
@@ -41,6 +48,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import zlib
 from typing import Any, Literal
 
 from agentrl.common.config import config_dataclass
@@ -137,6 +146,11 @@ class QAOptions:
     question needs, `<think>searches: N</think>` (N = its hop count), and the instructions ask for it:
     the policy decides how often to search right after reading the question, and the later
     "search again or answer" step can read its own count (module docstring: Plan)."""
+    shuffle_worked_examples: bool = False
+    """Show each task the worked examples in one of their orders, chosen by a hash of its task id
+    (fixed per task: a group's samples share their prompt and an evaluation is repeatable), instead
+    of always in the listed order. A policy trained on one order copies the search count of the
+    example nearest the question (module docstring: Worked-example order)."""
 
     def __post_init__(self) -> None:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
@@ -159,8 +173,17 @@ class MultiHopQAEnv(ToolEnv):
         return f"{INTRO} {PLAN_INSTRUCTION}" if self.options.plan else INTRO
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
+        return self._examples(tuple(self.options.worked_examples))
+
+    def example_messages_for(self, task: Task) -> tuple[tuple[str, str], ...]:
+        if not self.options.shuffle_worked_examples:
+            return self.example_messages()
+        orders = list(itertools.permutations(self.options.worked_examples))
+        return self._examples(orders[zlib.crc32(task.task_id.encode()) % len(orders)])
+
+    def _examples(self, hops: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
         messages = []
-        for h in self.options.worked_examples:
+        for h in hops:
             first = next(i for i, (role, _) in enumerate(EXAMPLES_BY_HOPS[h]) if role == "assistant")
             messages += [(role, plan_text(h) + content if self.options.plan and i == first else content)
                          for i, (role, content) in enumerate(EXAMPLES_BY_HOPS[h])]
