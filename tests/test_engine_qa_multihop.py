@@ -4,6 +4,10 @@ real environment and a real BM25 index over the synthetic world; no server neede
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -218,3 +222,40 @@ async def test_plan_option_states_the_search_count_in_examples_and_demonstration
     default = make_env(chat, world)
     assert "<think>" not in chat.decode(default.reset(two).token_ids) and "how many searches" not in default.system_prompt
     assert not any("<think>" in a for a in default.demonstration(two))
+
+
+async def test_shuffled_worked_examples_give_each_task_one_fixed_order(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, worked_examples=[1, 2], shuffle_worked_examples=True)
+    one, two = "Which company makes the Tessick Lamp?", "the founder of Brimbell Optics"
+
+    def order(env, task) -> tuple[int, ...]:
+        text = chat.decode(env.reset(task).token_ids)
+        assert text.count(one) == 1 and text.count(two) == 1 and text.index(two) < text.rindex(task.prompt)
+        return (1, 2) if text.index(one) < text.index(two) else (2, 1)
+
+    orders = {task.task_id: order(env, task) for task in tasks}
+    assert set(orders.values()) == {(1, 2), (2, 1)}  # both orders occur among 16 tasks
+    # Fixed per task: again, and in another environment instance (the actor and evaluation each build one).
+    again = make_env(chat, world, plan=True, worked_examples=[1, 2], shuffle_worked_examples=True)
+    assert all(order(env, t) == order(again, t) == orders[t.task_id] for t in tasks)
+    assert len(env._prefixes) == 2  # each distinct prompt prefix tokenized once
+    # The SFT cold start's demonstrations see the same per-task order as sampled episodes.
+    for task in tasks[:4]:
+        traj = await play(env, task, env.demonstration(task))
+        assert traj.metrics["em"] == 1.0
+        assert traj.token_ids[:traj.prompt_len].tolist() == env.reset(task).token_ids
+    # Off (the default): the listed order for every task.
+    fixed = make_env(chat, world, plan=True, worked_examples=[2, 1])
+    assert {order(fixed, t) for t in tasks} == {(2, 1)}
+
+
+def test_the_worked_example_order_does_not_depend_on_the_process_hash_seed():
+    # The actor, the evaluation and a resumed run are separate processes: a task must get the same
+    # order in each, so the order cannot come from Python's salted str hash.
+    script = ("from agentrl.engine.qa import MultiHopQAEnv, QAOptions\nfrom agentrl.engine.task import Task\n"
+              "env = MultiHopQAEnv(None, options=QAOptions(worked_examples=[1, 2], shuffle_worked_examples=True))\n"
+              "print([env.example_messages_for(Task(f'task-{i}'))[0][1][10:22] for i in range(32)])")
+    seen = {subprocess.run([sys.executable, "-P", "-c", script], env={**os.environ, "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
+    assert len(seen) == 1 and "Which compan" in next(iter(seen)) and "Which city w" in next(iter(seen))
