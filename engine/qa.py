@@ -295,5 +295,8 @@ class NaiveRAGEnv(MultiHopQAEnv):
     def example_messages(self) -> tuple[tuple[str, str], ...]:
         return NAIVE_RAG_EXAMPLE_MESSAGES
 
+    def example_messages_for(self, task: Task) -> tuple[tuple[str, str], ...]:
+        return NAIVE_RAG_EXAMPLE_MESSAGES  # its own example, whatever the agent's worked-example order
+
     def first_messages(self, task: Task) -> list[tuple[str, str]]:
         return [("user", self._contexts[task.task_id])]

@@ -20,6 +20,7 @@ from agentrl.engine.qa import (
     EXAMPLE_1HOP,
     EXAMPLE_1HOP_PASSAGES,
     FAILURE_LABELS,
+    NAIVE_RAG_EXAMPLE_MESSAGES,
     MultiHopQAEnv,
     QAOptions,
     retrieval_credit,
@@ -259,3 +260,14 @@ def test_the_worked_example_order_does_not_depend_on_the_process_hash_seed():
     seen = {subprocess.run([sys.executable, "-P", "-c", script], env={**os.environ, "PYTHONHASHSEED": seed},
                            capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
     assert len(seen) == 1 and "Which compan" in next(iter(seen)) and "Which city w" in next(iter(seen))
+
+
+async def test_naive_rag_baseline_keeps_its_own_example_when_the_agent_shuffles(chat, world_tasks):
+    # The baseline subclasses the agent's environment; shuffling the agent's worked examples must not
+    # hand it the agent's tool-calling examples (it has no tools and one turn).
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, worked_examples=[1, 2], shuffle_worked_examples=True)
+    rag = (await env.baselines(tasks))["naive_rag"]
+    for task in tasks:
+        text = chat.decode(rag.reset(task).token_ids)
+        assert NAIVE_RAG_EXAMPLE_MESSAGES[0][1] in text and "<tool_call>" not in text and "Tessick Lamp" not in text
