@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import zlib
 from typing import Any, Literal
@@ -173,13 +174,18 @@ class MultiHopQAEnv(ToolEnv):
         return f"{INTRO} {PLAN_INSTRUCTION}" if self.options.plan else INTRO
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
-        return self._examples(tuple(self.options.worked_examples))
+        return self._example_orders[0]
 
     def example_messages_for(self, task: Task) -> tuple[tuple[str, str], ...]:
         if not self.options.shuffle_worked_examples:
-            return self.example_messages()
-        orders = list(itertools.permutations(self.options.worked_examples))
-        return self._examples(orders[zlib.crc32(task.task_id.encode()) % len(orders)])
+            return self._example_orders[0]
+        return self._example_orders[zlib.crc32(task.task_id.encode()) % len(self._example_orders)]
+
+    @functools.cached_property
+    def _example_orders(self) -> tuple[tuple[tuple[str, str], ...], ...]:
+        """The worked-example turns in every order of `worked_examples`, the listed order first; built
+        once, so `reset` finds each in its prefix cache without rebuilding the turns per episode."""
+        return tuple(self._examples(order) for order in itertools.permutations(self.options.worked_examples))
 
     def _examples(self, hops: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
         messages = []
