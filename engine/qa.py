@@ -28,6 +28,12 @@ docs/notes/issue-15.md): after 20 SFT steps the policy still writes one count fo
 (p("1") 0.31 on 1-hop against 0.26 on 2-hop questions), so the option alone does not make the
 choice per question.
 
+Progress (`progress = true`, needs `plan`): every action after a search result begins with
+`<think>searches done: K of N</think>` (in the worked examples and the demonstrations; the
+instructions ask for it), so the step that decides between searching again and answering comes
+right after the policy has restated its own count beside the searches made, instead of having to
+look back past a tool response to the count it wrote. Like the plan, it is the policy's own text.
+
 Worked-example order (`shuffle_worked_examples`, off by default): with worked_examples [1, 2] the
 policy copies the search count, and the decision to search again, mostly from the example nearest
 the question (session 8: moving the 1-hop example last moved p("1") by 0.23 on both kinds of
@@ -106,6 +112,14 @@ def plan_text(num_searches: int) -> str:
     return f"<think>searches: {num_searches}</think>"
 
 
+# The `progress` option (QAOptions.progress): after each result, the searches done against the plan.
+PROGRESS_INSTRUCTION = "After each search result, write <think>searches done: K of N</think> before the next search or the answer."
+
+
+def progress_text(done: int, planned: int) -> str:
+    return f"<think>searches done: {done} of {planned}</think>"
+
+
 EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: EXAMPLE_2HOP}
 EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
@@ -147,6 +161,10 @@ class QAOptions:
     question needs, `<think>searches: N</think>` (N = its hop count), and the instructions ask for it:
     the policy decides how often to search right after reading the question, and the later
     "search again or answer" step can read its own count (module docstring: Plan)."""
+    progress: bool = False
+    """With `plan`: every action after a search result begins with the searches done against the
+    plan, `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and
+    the instructions ask for it (module docstring: Plan). Needs `plan`."""
     shuffle_worked_examples: bool = False
     """Show each task the worked examples in one of their orders, chosen by a hash of its task id
     (fixed per task: a group's samples share their prompt and an evaluation is repeatable), instead
@@ -157,6 +175,8 @@ class QAOptions:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
             raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
                              f"{self.retrieval_reward} and {self.retrieval_top_k}")
+        if self.progress and not self.plan:
+            raise ValueError("progress = true needs plan = true (it counts the searches against the plan)")
         hops = list(self.worked_examples)
         if not hops or len(set(hops)) != len(hops) or any(h not in EXAMPLES_BY_HOPS for h in hops):
             raise ValueError(f"worked_examples must list distinct hop counts from {sorted(EXAMPLES_BY_HOPS)}, "
@@ -171,7 +191,8 @@ class MultiHopQAEnv(ToolEnv):
     user_prefix = "Question: "
 
     def intro(self) -> str:
-        return f"{INTRO} {PLAN_INSTRUCTION}" if self.options.plan else INTRO
+        return " ".join([INTRO, *([PLAN_INSTRUCTION] if self.options.plan else []),
+                         *([PROGRESS_INSTRUCTION] if self.options.progress else [])])
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
         return self._example_orders[0]
@@ -190,10 +211,18 @@ class MultiHopQAEnv(ToolEnv):
     def _examples(self, hops: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
         messages = []
         for h in hops:
-            first = next(i for i, (role, _) in enumerate(EXAMPLES_BY_HOPS[h]) if role == "assistant")
-            messages += [(role, plan_text(h) + content if self.options.plan and i == first else content)
-                         for i, (role, content) in enumerate(EXAMPLES_BY_HOPS[h])]
+            turns = EXAMPLES_BY_HOPS[h]
+            actions = self._with_plan([content for role, content in turns if role == "assistant"])
+            it = iter(actions)
+            messages += [(role, next(it) if role == "assistant" else content) for role, content in turns]
         return tuple(messages)
+
+    def _with_plan(self, actions: list[str]) -> list[str]:
+        """A solved episode's actions (one search per hop, then the answer) with the `plan` count
+        before the first and, with `progress`, the searches done before each later one."""
+        n = len(actions) - 1
+        return [(plan_text(n) if self.options.plan and i == 0 else "")
+                + (progress_text(i, n) if self.options.progress and i > 0 else "") + a for i, a in enumerate(actions)]
 
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         if episode.answer is None:
@@ -211,16 +240,16 @@ class MultiHopQAEnv(ToolEnv):
         queries = task.metadata.get("gold_queries") or []
         if not queries:
             return None
-        actions = [*(self.parser.format_call("search", {"query": q}) for q in queries),
-                   self.parser.format_answer(answers(task)[0])]
-        if self.options.plan:
-            actions[0] = plan_text(len(queries)) + actions[0]
-        return actions
+        return self._with_plan([*(self.parser.format_call("search", {"query": q}) for q in queries),
+                                self.parser.format_answer(answers(task)[0])])
 
     async def baselines(self, tasks: list[Task]) -> dict[str, ToolEnv]:
         if "search" not in self.tools:
             return {}
-        rag = NaiveRAGEnv(self.chat, dataclasses.replace(self.config, max_turns=1, plain_text_is_answer=True),
+        # Its one-exchange example whatever the agent's prompt options (`env.worked_example` too): the
+        # baseline is a fixed method, and the untrained model without it answers in free sentences.
+        rag = NaiveRAGEnv(self.chat, dataclasses.replace(self.config, max_turns=1, plain_text_is_answer=True,
+                                                         worked_example=True),
                           self.options, parser=self.parser)
         await rag.retrieve(self.tools["search"], tasks, self.options.naive_rag_top_k)
         return {"naive_rag": rag}

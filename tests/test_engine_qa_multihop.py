@@ -271,3 +271,37 @@ async def test_naive_rag_baseline_keeps_its_own_example_when_the_agent_shuffles(
     for task in tasks:
         text = chat.decode(rag.reset(task).token_ids)
         assert NAIVE_RAG_EXAMPLE_MESSAGES[0][1] in text and "<tool_call>" not in text and "Tessick Lamp" not in text
+
+
+async def test_naive_rag_baseline_keeps_its_own_example_when_the_agent_has_none(chat, world_tasks):
+    # With `env.worked_example = false` the agent's prompt has no example; the baseline is a fixed
+    # method and keeps its own (without it the untrained model answers in free sentences: EM 0).
+    world, tasks = world_tasks
+    env = MultiHopQAEnv(chat, EnvConfig(max_turns=5, worked_example=False), QAOptions())
+    env.register_tool(LocalSearchTool(world.passages))
+    assert "Brimbell Optics" not in chat.decode(env.reset(tasks[0]).token_ids)
+    rag = (await env.baselines(tasks))["naive_rag"]
+    assert NAIVE_RAG_EXAMPLE_MESSAGES[0][1] in chat.decode(rag.reset(tasks[0]).token_ids)
+
+
+async def test_progress_option_counts_the_searches_done_against_the_plan(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, progress=True, worked_examples=[1, 2])
+    plan_only = make_env(chat, world, plan=True, worked_examples=[1, 2])
+    one = next(t for t in tasks if t.metadata["num_hops"] == 1)
+    two = two_hop(tasks)
+    assert env.demonstration(one)[1].startswith("<think>searches done: 1 of 1</think><answer>")
+    actions = env.demonstration(two)
+    assert actions[0] == plan_only.demonstration(two)[0]  # the plan, as without progress
+    assert actions[1].startswith("<think>searches done: 1 of 2</think><tool_call>")
+    assert actions[2].startswith("<think>searches done: 2 of 2</think><answer>")
+    assert [a.split("</think>")[-1] for a in actions] == [a.split("</think>")[-1] for a in plan_only.demonstration(two)]
+    traj = await play(env, two, actions)  # still a correct episode: the progress text is no parse error
+    assert traj.metrics["em"] == 1.0 and traj.metrics["num_tool_calls"] == 2
+    assert not any(t.process_rewards.get("malformed_call") for t in traj.turns)
+    prompt = chat.decode(env.reset(two).token_ids)
+    assert prompt.count("<think>searches done: 1 of 1</think>") == 1  # the 1-hop worked example
+    assert prompt.count("<think>searches done: 1 of 2</think>") == 1 and prompt.count("<think>searches done: 2 of 2</think>") == 1
+    assert "searches done: K of N" in env.system_prompt and "searches done" not in plan_only.system_prompt
+    with pytest.raises(ValueError, match="needs plan"):
+        QAOptions(progress=True)
