@@ -14,6 +14,10 @@ looks inside a task. The hooks (override what you need; docs/ENVIRONMENTS.md has
     final_answer(parsed, ...)  what ends the episode with an answer (default: <answer>...</answer>;
                                with `finish_tool`, also a call to that tool, whose arguments are
                                the answer)
+    refuse(state, parsed)      a rule of the environment the action breaks, as the message the policy
+                               is shown instead of carrying it out (its calls are not run, its
+                               answer does not end the episode; the turn counts, with the
+                               `no_action` term), or None (default: None)
     reward(task, episode)      -> Reward(task reward, metrics, named process terms): the only place
                                that knows what success is
     demonstration(task)        scripted actions that solve the task (SFT cold start), or None
@@ -279,6 +283,11 @@ class ToolEnv:
                     return call.arguments
         return None
 
+    def refuse(self, state: EpisodeState, parsed: ParsedAction) -> str | None:
+        """Why this parsed action is not carried out (the error text the policy sees), or None to carry
+        it out. `state` holds the episode so far, this action's message included."""
+        return None
+
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         """Score a finished episode (`episode.answer` is None when it ended without one)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reward(task, episode)")
@@ -374,6 +383,10 @@ class ToolEnv:
 
         terms: dict[str, float] = {}
         parsed = self.parser.parse(text)
+        refusal = self.refuse(state, parsed)
+        if refusal is not None:  # nothing of it is carried out: no calls counted, no answer taken
+            self._add(terms, R.NO_ACTION)
+            return self._close(state, turn, terms, [self._error_response(None, refusal)], stopped)
         turn.num_tool_calls = len(parsed.calls) + len(parsed.errors)
         answer = self.final_answer(parsed, text, stopped)
         if answer is not None:

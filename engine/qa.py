@@ -34,6 +34,13 @@ instructions ask for it), so the step that decides between searching again and a
 right after the policy has restated its own count beside the searches made, instead of having to
 look back past a tool response to the count it wrote. Like the plan, it is the policy's own text.
 
+Keeping the plan (`keep_plan = true`, needs `plan`): the environment holds the policy to the count
+it wrote (`refuse`): an answer before that many searches and a search beyond them are refused with a
+message, and the turn counts. The count stays the policy's choice, one token right after the
+question; what the rule removes is a second, later way to stop or go on that RL could otherwise push
+for every question at once (runs J and K: RL moved the "search again" step to one habit for all
+questions, once to two searches, once to one, whatever count was written).
+
 Worked-example order (`shuffle_worked_examples`, off by default): with worked_examples [1, 2] the
 policy copies the search count, and the decision to search again, mostly from the example nearest
 the question (session 8: moving the 1-hop example last moved p("1") by 0.23 on both kinds of
@@ -56,12 +63,14 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import re
 import zlib
 from typing import Any, Literal
 
 from agentrl.common.config import config_dataclass
 from agentrl.engine.env import EnvConfig, EpisodeState, Reward, ToolEnv, format_content
 from agentrl.engine.metrics import exact_match, f1_score
+from agentrl.engine.parsers import ParsedAction
 from agentrl.engine.task import Task
 
 INTRO = ('You answer questions by searching a knowledge base. Call a tool with <tool_call>{"name": "<tool name>", '
@@ -165,6 +174,10 @@ class QAOptions:
     """With `plan`: every action after a search result begins with the searches done against the
     plan, `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and
     the instructions ask for it (module docstring: Plan). Needs `plan`."""
+    keep_plan: bool = False
+    """With `plan`: the environment holds the policy to the count it wrote (module docstring: Plan):
+    an answer before that many searches, and a search beyond them, are refused with a message (the
+    turn counts, with the `no_action` term). The count stays the policy's choice. Needs `plan`."""
     shuffle_worked_examples: bool = False
     """Show each task the worked examples in one of their orders, chosen by a hash of its task id
     (fixed per task: a group's samples share their prompt and an evaluation is repeatable), instead
@@ -175,8 +188,9 @@ class QAOptions:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
             raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
                              f"{self.retrieval_reward} and {self.retrieval_top_k}")
-        if self.progress and not self.plan:
-            raise ValueError("progress = true needs plan = true (it counts the searches against the plan)")
+        for name in ("progress", "keep_plan"):
+            if getattr(self, name) and not self.plan:
+                raise ValueError(f"{name} = true needs plan = true (it counts the searches against the plan)")
         hops = list(self.worked_examples)
         if not hops or len(set(hops)) != len(hops) or any(h not in EXAMPLES_BY_HOPS for h in hops):
             raise ValueError(f"worked_examples must list distinct hop counts from {sorted(EXAMPLES_BY_HOPS)}, "
@@ -224,6 +238,29 @@ class MultiHopQAEnv(ToolEnv):
         return [(plan_text(n) if self.options.plan and i == 0 else "")
                 + (progress_text(i, n) if self.options.progress and i > 0 else "") + a for i, a in enumerate(actions)]
 
+    def refuse(self, state: EpisodeState, parsed: ParsedAction) -> str | None:
+        """With `keep_plan`: an answer before the planned searches, or a search beyond them."""
+        if not self.options.keep_plan:
+            return None
+        planned = self.planned_searches(state)
+        if planned is None:  # no plan written: nothing to hold the policy to
+            return None
+        done = len(_searches(state))
+        searches = sum(c.name == "search" for c in parsed.calls)
+        if parsed.answer is not None and done < planned:
+            return f"you planned {planned} searches and have made {done}; search before answering"
+        if searches and done + searches > planned:
+            return f"you planned {planned} searches and have made {done}; answer now"
+        return None
+
+    def planned_searches(self, state: EpisodeState) -> int | None:
+        """The search count the policy wrote in its first action of the episode (`plan_text`), or None."""
+        if not state.turns:
+            return None
+        first = state.turns[0]
+        match = _PLAN.search(self.chat.decode(state.token_ids[first.action_start:first.action_end]))
+        return int(match.group(1)) if match else None
+
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         if episode.answer is None:
             em = f1 = 0.0
@@ -257,6 +294,10 @@ class MultiHopQAEnv(ToolEnv):
 
 def _searches(episode: EpisodeState) -> list:
     return [c for c in episode.calls if c.name == "search"]
+
+
+_PLAN = re.compile(r"<think>searches: (\d+)</think>")
+
 
 
 def retrieved_ids(episode: EpisodeState, top_k: int) -> set[str]:

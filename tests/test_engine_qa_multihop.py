@@ -305,3 +305,27 @@ async def test_progress_option_counts_the_searches_done_against_the_plan(chat, w
     assert "searches done: K of N" in env.system_prompt and "searches done" not in plan_only.system_prompt
     with pytest.raises(ValueError, match="needs plan"):
         QAOptions(progress=True)
+
+
+async def test_keep_plan_holds_the_policy_to_the_count_it_wrote(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, progress=True, keep_plan=True)
+    two = two_hop(tasks)
+    q1, q2 = two.metadata["gold_queries"]
+    gold = two.reference[0]
+    # Planned 2: an answer after one search is refused (the episode goes on), then the chain finishes.
+    traj = await play(env, two, ["<think>searches: 2</think>" + search(q1), answer("Nowhere"), search(q2), answer(gold)])
+    assert traj.metrics["em"] == 1.0 and traj.metrics["num_tool_calls"] == 2 and len(traj.turns) == 4
+    assert traj.turns[1].process_rewards.get("no_action") and "you planned 2 searches and have made 1" in chat.decode(traj.token_ids)
+    # Planned 1: a second search is refused and not run; the answer after it ends the episode.
+    traj = await play(env, two, ["<think>searches: 1</think>" + search(q1), search(q2), answer(gold)])
+    assert traj.metrics["num_tool_calls"] == 1 and "answer now" in chat.decode(traj.token_ids)
+    # No plan written: nothing to hold the policy to.
+    traj = await play(env, two, [search(q1), answer("Nowhere")])
+    assert traj.metrics["num_tool_calls"] == 1 and len(traj.turns) == 2
+    # Without the option the same early answer ends the episode.
+    loose = make_env(chat, world, plan=True)
+    traj = await play(loose, two, ["<think>searches: 2</think>" + search(q1), answer("Nowhere")])
+    assert len(traj.turns) == 2 and traj.metrics["em"] == 0.0
+    with pytest.raises(ValueError, match="needs plan"):
+        QAOptions(keep_plan=True)

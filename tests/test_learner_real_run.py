@@ -129,3 +129,92 @@ lr = 1e-5
     sampled_versions = {int(v) for g in groups for t in g.trajectories for v in t.policy_versions[t.is_action.astype(bool)]}
     assert sampled_versions <= set(range(version_before, NUM_STEPS + 1)), sampled_versions
     assert list((run_dir / "tensorboard").iterdir())
+
+
+async def test_a_stopped_sft_learner_serves_the_step_it_reached(vllm_server, tokenizer, model_dir, tmp_path):
+    """An SFT learner pushes only at its last step (`publish_every = steps`); stopped earlier (SIGTERM:
+    the run's SFT time limit), it checkpoints and pushes the step it reached, so the SFT evaluation
+    and the RL learner that starts from the checkpoint see the same weights."""
+    import signal
+    import time
+
+    from agentrl.common.inference import VLLMClient
+    from agentrl.common.trajectory import TrajectoryGroup
+    from agentrl.common.transport import GroupSender
+    from agentrl.common.weights import push_weights
+    from agentrl.engine.chat import ChatFormat
+    from agentrl.engine.env import EnvConfig
+    from agentrl.engine.episode import build_demonstration
+    from agentrl.engine.qa import MultiHopQAEnv
+    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+    from agentrl.engine.tools import remote_tools
+    from agentrl.learner.checkpoint import load_latest_checkpoint
+    from agentrl.toolservers.client import ToolClient
+    from agentrl.toolservers.process import start_toolserver
+
+    world, tasks = synthetic_tasks(split="train", num=4, hops=[1], config=SyntheticQAConfig(num_companies=100))
+    search = start_toolserver("search", "tcp://127.0.0.1:*", "--corpus", str(world.write_corpus(tmp_path / "corpus.jsonl")))
+    try:
+        async with ToolClient([search.endpoint]) as tools:
+            env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
+            for tool in await remote_tools(tools):
+                env.register_tool(tool)
+            gold = [await build_demonstration(env, t) for t in tasks]
+    finally:
+        search.stop()
+    group_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    run_dir = tmp_path / "sft"
+    config = tmp_path / "learner.toml"
+    config.write_text(f"""
+output_dir = "{run_dir}"
+model_dir = "{vllm_server.model_dir}"
+mode = "sft"
+tokens_per_step = 1
+max_steps = 50
+publish_every = 50
+checkpoint_every = 50
+group_endpoint = "{group_endpoint}"
+version_endpoint = "tcp://127.0.0.1:{_free_port()}"
+server_urls = ["{vllm_server.base_url}"]
+tensorboard = false
+progress_bar = false
+
+[trainer]
+precision = "bf16"
+train_layers = 1
+train_embeddings = false
+
+[trainer.optimizer]
+lr = 1e-4
+""")
+    async with VLLMClient(vllm_server.base_url) as client:
+        version_before = await client.weight_version()
+    log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115
+    learner = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    sender = GroupSender(group_endpoint)
+    try:
+        await sender.start()
+        for i, traj in enumerate(gold[:2]):  # one group a step (tokens_per_step = 1): two steps
+            await sender.send(TrajectoryGroup(f"sft-{i}", traj.task_id, [traj]))
+        assert await sender.wait_all_acked(timeout_s=300)
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not metrics.exists() or len(read_metrics(metrics)) < 2:
+            assert learner.poll() is None and time.monotonic() < deadline, (tmp_path / "learner.log").read_text()[-4000:]
+            await asyncio.sleep(0.5)
+        learner.send_signal(signal.SIGTERM)
+        returncode = await asyncio.to_thread(learner.wait, 300)
+        assert returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
+        async with VLLMClient(vllm_server.base_url) as client:
+            served = await client.weight_version()
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait(60)
+        log.close()
+        await sender.close()
+        await push_weights(vllm_server.base_url, model_dir / "model.safetensors", version_before)
+
+    assert served == 2, f"the server serves version {served}; the learner stopped at step 2 and never pushed it"
+    assert load_latest_checkpoint(run_dir / "checkpoints")["step"] == 2

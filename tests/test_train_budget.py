@@ -106,3 +106,22 @@ def test_a_fresh_run_into_a_run_directory_is_refused(tmp_path, capsys, monkeypat
     # Nothing of the earlier run was touched.
     assert (tmp_path / "config.toml").read_text() == "minutes = 1.0\n"
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 1
+
+
+def test_the_sft_cold_start_stops_at_its_own_limit_or_when_only_the_final_reserve_is_left():
+    from agentrl.train import sft_stop_at
+
+    # deadline 1000 s, final evaluation reserve 100 s: never later than 900 s
+    assert sft_stop_at(0.0, 0.0, 1000.0, 100.0) == 900.0  # no limit of its own
+    assert sft_stop_at(0.0, 5.0, 1000.0, 100.0) == 300.0  # 5 minutes
+    assert sft_stop_at(0.0, 60.0, 1000.0, 100.0) == 900.0  # a limit past the budget does not extend it
+    assert sft_stop_at(200.0, 5.0, 1000.0, 100.0) == 500.0
+
+
+def test_sft_max_minutes_is_checked_with_the_config():
+    from agentrl.common.config import ConfigError
+    from agentrl.runconfig import load_run_config
+
+    assert load_run_config(None, ["sft.max_minutes=12.5"]).config.sft.max_minutes == 12.5
+    with pytest.raises(ConfigError, match="max_minutes"):
+        load_run_config(None, ["sft.max_minutes=-1"])
