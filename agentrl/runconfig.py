@@ -65,12 +65,19 @@ class SFTConfig:
     """Demonstrations built from training tasks (cycled until `steps` are done)."""
     steps: int = 12
     """Optimizer steps of the cold start."""
+    max_minutes: float = 0.0
+    """Stop the cold start after this many minutes even if `steps` are not done (0: no limit), so
+    that a slower machine keeps the run inside `minutes`; the learner checkpoints and pushes the
+    step it reached. The cold start also stops when only the final evaluation's reserve is left of
+    the budget. The steps done are in phases.json (`sft.steps_done`)."""
     learner: dict[str, Any] = field(default_factory=dict)
     """LearnerConfig keys for the SFT learner, layered over [learner] (e.g. a higher lr)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.num_examples < 1:
             raise ValueError("sft.steps and sft.num_examples must be >= 1 (set sft.enabled = false to skip SFT)")
+        if not self.max_minutes >= 0:
+            raise ValueError(f"sft.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
 
 
 @config_dataclass

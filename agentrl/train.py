@@ -381,11 +381,13 @@ class Supervisor:
                              curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))
         await sender.start()
         t0 = time.perf_counter()
+        stop_at = sft_stop_at(time.monotonic(), cfg.sft.max_minutes, self.deadline, self._final_eval_reserve_s())
+        time_limited = False
         epoch = 0
         try:
-            while learner.poll() is None:
+            while learner.poll() is None and not time_limited:
                 for i, traj in enumerate(gold):
-                    if learner.poll() is not None:
+                    if learner.poll() is not None or time_limited:
                         break
                     gid = f"sft-{epoch}-{i}"
                     group = TrajectoryGroup(gid, traj.task_id, [dataclasses.replace(traj, group_id=gid)])
@@ -395,6 +397,12 @@ class Supervisor:
                         if learner.poll() is not None:
                             send.cancel()
                             break
+                        if time.monotonic() >= stop_at:  # the learner checkpoints and pushes the step it reached
+                            self.say(f"SFT stopped by its time limit after {(time.perf_counter() - t0) / 60:.1f} minutes")
+                            learner.signal(signal.SIGTERM)
+                            time_limited = True
+                            send.cancel()
+                            break
                         if sender.num_handshakes_refused:  # not retried by ZeroMQ: nothing would ever go through
                             send.cancel()
                             raise RuntimeError(f"the SFT learner refused this run's CurveZMQ key ({self.out / 'curve'}); "
@@ -402,12 +410,16 @@ class Supervisor:
                 epoch += 1
         finally:
             await sender.close(timeout_s=2.0)
+        if time_limited:
+            await asyncio.to_thread(learner.stop, 300)
         rc = learner.poll()
         if rc != 0:
             raise RuntimeError(f"SFT learner exited with {rc}; log {learner.log_path}:\n{learner.log_tail()}")
+        steps_done = _last_metrics(self.out / "sft" / "metrics.jsonl").get("step", 0)
         summary, trajs = await evaluate(self.conn, self.heldout, "sft", episodes=self.eval_episodes)
         self._log_eval(summary, trajs)
-        self._phase_done("sft", {**summary, "sft_s": time.perf_counter() - t0, "steps": cfg.sft.steps, "epochs_streamed": epoch})
+        self._phase_done("sft", {**summary, "sft_s": time.perf_counter() - t0, "steps": cfg.sft.steps,
+                                 "steps_done": steps_done, "time_limited": time_limited, "epochs_streamed": epoch})
 
     async def _rl_phase(self) -> None:
         cfg = self.config
@@ -485,6 +497,14 @@ def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
         return 0.0
     durations = [e["eval_s"] for e in evals if e.get("label") in CLEAN_EVALUATIONS and "eval_s" in e]
     return 1.25 * (durations[-1] if durations else 120.0) + 30.0
+
+
+def sft_stop_at(now_s: float, max_minutes: float, deadline_s: float, reserve_s: float) -> float:
+    """When the SFT cold start is stopped if its steps are not done by then: after `max_minutes`
+    (0: no limit of its own), and at the latest when only `reserve_s` (the final evaluation's) is left
+    before the deadline."""
+    limit = deadline_s - reserve_s
+    return min(limit, now_s + max_minutes * 60) if max_minutes > 0 else limit
 
 
 def rl_eval_fits(now_s: float, evals: list[dict], *, next_eval_s: float, rl_end_s: float, in_budget: bool) -> bool:

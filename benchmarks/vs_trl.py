@@ -83,8 +83,11 @@ def ensure_trl_venv(log_path: Path) -> Path:
 # ---------------------------------------------------------------- the shared job
 
 
-COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.baselines=false", "eval.in_budget=false")
-"""What the comparison changes on `agentrl train`'s config: only the search tool, no in-budget evaluation."""
+COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.baselines=false", "eval.in_budget=false",
+                   "env.options.retrieval_reward=0.0", "learner.trainer.advantage.dynamic_sampling=false")
+"""What the comparison changes on `agentrl train`'s config: only the search tool, no in-budget
+evaluation, and neither the retrieval process term nor dynamic sampling (the TRL side's reward
+function restates the per-call terms and EM only, and GRPOTrainer trains every group)."""
 
 
 def comparison_config(minutes: float, path: str | None = None, extra_sets: tuple[str, ...] = ()):
@@ -160,6 +163,8 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     schedule = rl_learner.reward_schedule
     rewards = dataclasses.asdict(config.env.rewards)
     rewards.pop("tool_diversity")  # one tool: the diversity term cannot occur
+    if config.env.options.get("retrieval_reward") or rl_learner.trainer.advantage.dynamic_sampling:
+        raise ValueError("the TRL side restates neither the retrieval term nor dynamic sampling; the config uses one")
     train_layers = rl_learner.trainer.train_layers
     if train_layers == "all" or rl_learner.trainer.train_embeddings:
         raise ValueError("the TRL side mirrors only 'top k layers, frozen embedding' training; the config trains more")
@@ -167,7 +172,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
         "files": files,
         "prompt_prefix": [{"role": "system", "content": env.system_prompt}] + [
             {"role": role, "content": content.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
-             if role == "tool" else content} for role, content in env.example_messages()],
+             if role == "tool" else content} for role, content in (env.example_messages() if config.env.worked_example else ())],
         "env": {k: getattr(config.env, k) for k in ("max_turns", "max_total_tokens", "max_action_tokens", "min_action_tokens",
                                                    "max_calls_per_turn", "max_calls_per_episode")},
         "recipe": {

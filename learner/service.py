@@ -16,13 +16,16 @@ One step of the loop (`Learner.run`), in order:
    background (`publish.py`; a server that fails is marked down and re-pushed the latest weights
    when it answers again, the others are not held up); publish (version, served_version) to the
    orchestrator;
-6. every `checkpoint_every` steps, on SIGTERM and at the end: atomic checkpoint.
+6. every `checkpoint_every` steps, on SIGTERM and at the end: atomic checkpoint; and when it stops
+   (SIGTERM or `max_steps`) with steps it has not pushed yet (`publish_every` > 1), a last push, so
+   the servers serve what its checkpoint holds (an SFT learner stopped by the run's time limit).
 
 Versions: the learner's version is its optimizer step count (0 = the initial weights, which a
 fresh server serves). A token sampled under version v is (version - v) steps stale at training time.
 
 Shutdown: SIGTERM (or SIGINT) sets a flag that is checked between steps and interrupts a wait for
-data; the learner then writes a checkpoint, waits for the push in flight (bounded) and exits 0.
+data; the learner then writes a checkpoint, pushes its last step's weights if they were not pushed
+yet, waits for the push in flight (bounded) and exits 0.
 
 Under torchrun (data parallel, FSDP2; `distributed.py`, `ranks.py`):
 
@@ -102,6 +105,8 @@ class Learner:
         self._unreported_rejected: list[str] = []
         self.num_skipped_steps = 0
         """Updates skipped for a non-finite gradient norm (trainer.py), since this process started."""
+        self.pushed_step = -1
+        """The step whose weights were last handed to the publisher (-1: none yet)."""
 
     def start_training(self) -> Intake:
         """Build the trainer and restore it; returns the intake (with the restored ledger) once a
@@ -178,6 +183,7 @@ class Learner:
             t0 = time.perf_counter()
             snapshot = await asyncio.to_thread(self.ranks.snapshot)
             record["time/publish_wait_prev_s"] = await self.ranks.keepalive(self.publisher.publish(self.step, snapshot))
+            self.pushed_step = self.step
             record["time/publish_stall_s"] = time.perf_counter() - t0  # snapshot + wait for the previous push
             if self.publisher.reports:
                 last = self.publisher.reports[-1]
@@ -205,6 +211,7 @@ class Learner:
         publisher = self.publisher
         publisher.served_version = self.step
         await self.ranks.keepalive(publisher.probe())
+        self.pushed_step = self.step  # served already, or pushed just below
         if publisher.down or any(v != self.step for v in publisher.versions.values()):
             # The servers hold weights this lineage does not own: pushed after the checkpoint we
             # resumed from (lost with a kill -9), or the weights before an init from SFT. Serve ours.
@@ -256,6 +263,10 @@ class Learner:
                 await self._train_step(groups, time.perf_counter() - t_wait)
             self.checkpoint()
             if self.publisher is not None:
+                if self.pushed_step != self.step:  # stopped between pushes: serve what the checkpoint holds
+                    snapshot = await asyncio.to_thread(self.ranks.snapshot)
+                    await self.ranks.keepalive(self.publisher.publish(self.step, snapshot))
+                    self.pushed_step = self.step
                 await self.ranks.keepalive(self.publisher.close())
             self.ranks.stop()
         finally:
