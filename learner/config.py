@@ -74,7 +74,8 @@ class LearnerConfig:
     and version this learner starts from when its own output_dir holds no checkpoint yet: the RL
     phase starting from the SFT cold start. Optimizer, scheduler and ledger start fresh."""
     kl_reference: bool = False
-    """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0)."""
+    """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0):
+    those of `init_checkpoint` when it is set (the policy RL starts from), else `model_dir`'s."""
     seed: int = 0
     """Seed of torch, numpy and Python's generators at start (checkpoints carry their states)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

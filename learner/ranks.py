@@ -90,6 +90,11 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
     if config.kl_reference:
         reference = PackedPolicy(load().requires_grad_(False).eval(), kernels=tcfg.kernels,
                                  compute_dtype=tcfg.compute_dtype(device.type))
+        if config.init_checkpoint:
+            # The KL anchor is the policy RL starts from (the SFT checkpoint), not the base model;
+            # every rank reads it (the reference is not sharded), also after a resume.
+            start = _init_state(Path(config.init_checkpoint), set(reference.state_dict()))
+            reference.load_state_dict(start["policy"])
         reference.to(device)
     return Trainer(policy, tcfg, reference=reference), model
 

@@ -191,3 +191,23 @@ def test_cuda_learner_matches_the_cpu_learner(tmp_path, device, estimator, preci
     on_cpu = run_learner(tmp_path, "cpu", estimator, precision)
     on_cuda = run_learner(tmp_path, device, estimator, precision)
     assert on_cuda == pytest.approx(on_cpu, rel=rel, abs=1e-4)
+
+
+def test_the_kl_reference_of_a_learner_started_from_a_checkpoint_is_that_checkpoint(tmp_path):
+    """RL after SFT (`init_checkpoint`): the KL term must anchor to the SFT policy RL starts from,
+    not to the base model (it pulled every step back towards the untrained model before)."""
+    model_dir = tmp_path / "model"
+    tiny_llama(VOCAB, seed=0).save_pretrained(model_dir)
+    first = _start(_config(tmp_path / "sft", model_dir, "cpu", "grpo", "fp32"))
+    _steps(first, _groups(), 2)
+    first.checkpoint()
+    trained = {k: v for k, v in first.ranks.trainer.policy.state_dict().items() if not k.startswith("value_head.")}
+    config = dataclasses.replace(_config(tmp_path / "rl", model_dir, "cpu", "grpo", "fp32"),
+                                 init_checkpoint=str(tmp_path / "sft" / "checkpoints"))
+    for learner in (_start(config), _start(config)):  # fresh, then again (the same on every start)
+        reference = learner.ranks.trainer.reference.state_dict()
+        assert set(reference) == set(trained)
+        for key, value in trained.items():
+            torch.testing.assert_close(reference[key], value, rtol=0, atol=0)
+    base = _start(_config(tmp_path / "base", model_dir, "cpu", "grpo", "fp32")).ranks.trainer.reference.state_dict()
+    assert any(not torch.equal(base[k], trained[k]) for k in trained)  # the steps moved the weights
