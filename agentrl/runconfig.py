@@ -172,9 +172,9 @@ def load_run_config(config_file: str | Path | None = None, sets: list | tuple = 
     for item in sets:
         text, label = item if isinstance(item, tuple) else (item, f"--set {item}")
         path, value = parse_override(text)
+        if path in _SWITCHES and value != data.get(path[0], {}).get(path[1], _SWITCHES[path]):
+            data = _drop_options(data, origins, path[0])
         data = set_path(data, path, value)
-        if path == ("tasks", "loader"):
-            data["tasks"].pop("options", None)
         for key in [k for k in origins if k[:len(path)] == path]:
             del origins[key]
         origins[path] = label
@@ -184,15 +184,27 @@ def load_run_config(config_file: str | Path | None = None, sets: list | tuple = 
     return Resolved(config=config, data=data, origins=origins)
 
 
+# A layer that names another task loader or environment class replaces that plug-in's options
+# whole: the earlier options belong to the plug-in it replaces.
+_SWITCHES = {("tasks", "loader"): "synthetic", ("env", "class"): "multihop_qa"}
+
+
 def _switching_layer(data: dict, override: dict, origins: Origins, source: str) -> dict:
-    """`layer`, except that a layer naming another task loader replaces `[tasks.options]` whole."""
-    new_loader = override.get("tasks", {}).get("loader")
-    if new_loader is not None and new_loader != data.get("tasks", {}).get("loader", "synthetic"):
-        data = copy.deepcopy(data)
-        data.get("tasks", {}).pop("options", None)
-        for key in [k for k in origins if k[:2] == ("tasks", "options")]:
-            del origins[key]
+    """`layer`, except that a layer naming another task loader or environment class replaces
+    `[tasks.options]` or `[env.options]` whole."""
+    for (section, key), default in _SWITCHES.items():
+        new = override.get(section, {}).get(key)
+        if new is not None and new != data.get(section, {}).get(key, default):
+            data = _drop_options(data, origins, section)
     return layer(data, override, origins=origins, source=source)
+
+
+def _drop_options(data: dict, origins: Origins, section: str) -> dict:
+    data = copy.deepcopy(data)
+    data.get(section, {}).pop("options", None)
+    for key in [k for k in origins if k[:2] == (section, "options")]:
+        del origins[key]
+    return data
 
 
 def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "config") -> None:

@@ -92,6 +92,19 @@ def test_switching_the_task_loader_brings_its_own_options(tmp_path):
     assert config.tasks.loader == "datasets" and set(config.tasks.options) == {"eval_files"}
 
 
+def test_switching_the_env_class_brings_its_own_options(tmp_path):
+    """The default's multi-hop options (plan, progress, retrieval term) must not reach another
+    environment, whose `[env.options]` is checked against its own dataclass."""
+    assert load_run_config(None).config.env.options  # the default sets some: the test means something
+    path = tmp_path / "arith.toml"
+    path.write_text('[env]\nclass = "examples/arithmetic/arithmetic.py:ArithmeticEnv"\n')
+    assert load_run_config(path).config.env.options == {}
+    sets = ["env.class=examples/arithmetic/arithmetic.py:ArithmeticEnv"]
+    assert load_run_config(None, sets).config.env.options == {}
+    # Naming the same class keeps the options.
+    assert load_run_config(None, ["env.class=multihop_qa"]).config.env.options == load_run_config(None).config.env.options
+
+
 def test_print_config_round_trips(capsys, tmp_path):
     assert train_main(["--print-config", "--set", "orchestrator.group_size=5"]) == 0
     text = capsys.readouterr().out
@@ -126,7 +139,7 @@ BAD = [
     ('[learner.trainer]\nmax_row_tokens = 100\n', [], r"learner.trainer.max_row_tokens: 100 cannot hold the longest episode"),
     ('[sft.learner]\ntokens_per_step = -1\n', [], r"bad.toml: sft.learner.tokens_per_step: -1 must be > 0"),
     ('[sft.learner.trainer.optimizer]\nllr = 1\n', [], r"sft.learner.trainer.optimizer.llr: unknown key"),
-    ("[learner.trainer]\ntemperature = 0.7\n", [], r"orchestrator.sampling.temperature = 1.0 differs from .*bad.toml: learner.trainer.temperature = 0.7"),
+    ("[learner.trainer]\ntemperature = 0.5\n", [], r"orchestrator.sampling.temperature = 0.7 differs from .*bad.toml: learner.trainer.temperature = 0.5"),
     ('[env]\nmax_total_tokens = 8192\n[learner.trainer]\nmax_row_tokens = 8192\n', [],
      r"env.max_total_tokens: 8192 is longer than the server's services.max_model_len = 4096"),
     ('[tasks]\nloader = "no_such_module:load"\n', [], r"tasks.loader: cannot import 'no_such_module'"),
