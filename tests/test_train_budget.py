@@ -118,6 +118,26 @@ def test_the_sft_cold_start_stops_at_its_own_limit_or_when_only_the_final_reserv
     assert sft_stop_at(200.0, 5.0, 1000.0, 100.0) == 500.0
 
 
+def test_the_sft_learner_trains_the_demonstrations_at_temperature_1_whatever_rl_samples_at():
+    """learner.trainer.temperature is RL's sampling temperature; the SFT learner must not inherit it
+    (at 0.7 the default's SFT checkpoint lost every 2-hop question)."""
+    from agentrl.common.config import layer, to_dict
+    from agentrl.learner.config import LearnerConfig
+    from agentrl.runconfig import load_run_config
+    from agentrl.train import sft_learner_overrides
+
+    def sft_learner(sets):
+        config = load_run_config(None, sets).config
+        return config, LearnerConfig(**layer(to_dict(config.learner), sft_learner_overrides(config.sft)))
+
+    config, learner = sft_learner(["orchestrator.sampling.temperature=0.6", "learner.trainer.temperature=0.6"])
+    assert config.learner.trainer.temperature == 0.6 and learner.trainer.temperature == 1.0
+    assert learner.max_steps == config.sft.steps and learner.trainer.optimizer.lr == config.sft.learner["trainer"]["optimizer"]["lr"]
+    # [sft.learner] may still name its own.
+    _, learner = sft_learner(["sft.learner.trainer.temperature=0.9"])
+    assert learner.trainer.temperature == 0.9
+
+
 def test_sft_max_minutes_is_checked_with_the_config():
     from agentrl.common.config import ConfigError
     from agentrl.runconfig import load_run_config
