@@ -499,12 +499,15 @@ def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
 
 
 def sft_learner_overrides(sft) -> dict:
-    """What the SFT phase's learner changes on `[learner]`: `[sft.learner]`, the step count, and the
-    temperature 1.0 unless `[sft.learner]` names one. `learner.trainer.temperature` is the RL
-    sampling temperature the behaviour log-probs were computed at; demonstrations have none, and
-    training their likelihood at 0.7 instead of 1.0 cost the default's SFT checkpoint 0.677 -> 0.469
-    held-out EM (every 2-hop question answered after one search; docs/notes/issue-15.md, run Q)."""
-    return layer(layer({"trainer": {"temperature": 1.0}}, sft.learner),
+    """What the SFT phase's learner changes on `[learner]`: `[sft.learner]`, the step count, and,
+    unless `[sft.learner]` names them, temperature 1.0 and no KL reference. Both are RL's:
+    `learner.trainer.temperature` is the sampling temperature the behaviour log-probs were computed
+    at (demonstrations have none; training their likelihood at 0.7 instead of 1.0 cost the default's
+    SFT checkpoint 0.677 -> 0.469 held-out EM, every 2-hop question answered after one search;
+    docs/notes/issue-15.md, run Q), and the SFT loss has no KL term, so a reference copy would only
+    cost memory and loading time."""
+    rl_only = {"kl_reference": False, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
+    return layer(layer(rl_only, sft.learner),
                  {"max_steps": sft.steps, "publish_every": sft.steps, "checkpoint_every": sft.steps})
 
 

@@ -288,6 +288,12 @@ class ToolEnv:
         it out. `state` holds the episode so far, this action's message included."""
         return None
 
+    def observation_note(self, state: EpisodeState) -> str | None:
+        """Text the environment adds after this turn's tool responses (the end of the observation the
+        policy reads next; never cut by `max_observation_tokens`), or None. `state` holds the episode
+        so far, this turn's calls included."""
+        return None
+
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         """Score a finished episode (`episode.answer` is None when it ended without one)."""
         raise NotImplementedError(f"{type(self).__name__} must implement reward(task, episode)")
@@ -527,9 +533,15 @@ class ToolEnv:
             for k, response in enumerate(responses):  # responses joined by "\n", each encoded once (memo)
                 content_ids += (self.chat.newline_ids if k else []) + self.chat.encode_cached(response)
             content = "\n".join(responses)
-            if len(content_ids) > cfg.max_observation_tokens:
-                content_ids = content_ids[: cfg.max_observation_tokens]
+            note = self.observation_note(state)
+            note_ids = [*(self.chat.newline_ids if responses else []), *self.chat.encode_cached(note)] if note else []
+            budget = max(cfg.max_observation_tokens - len(note_ids), 0)
+            if len(content_ids) > budget:
+                content_ids = content_ids[:budget]
                 content = self.chat.decode(content_ids)
+            if note:
+                content_ids += note_ids
+                content = f"{content}\n{note}" if responses else note
             obs = [*(self.chat.newline_ids if stopped else self.chat.turn_end_ids), *self.chat.role_head("tool"),
                    *content_ids, *self.chat.turn_end_ids, *self.chat.assistant_head_ids]
             if len(state.token_ids) + len(obs) + cfg.min_action_tokens > cfg.max_total_tokens:

@@ -34,6 +34,15 @@ instructions ask for it), so the step that decides between searching again and a
 right after the policy has restated its own count beside the searches made, instead of having to
 look back past a tool response to the count it wrote. Like the plan, it is the policy's own text.
 
+The progress note (`progress_note = true`, needs `plan`): after each search the environment ends
+the tool message with the searches made against the count the policy wrote and what that count
+says to do next ("1 of 2 planned searches done: search for the next entity." or "2 of 2 planned
+searches done: answer now."). The count stays the policy's choice; the note puts the consequence
+of it in the environment's words right before the step that decides between searching again and
+answering. In runs K, M and R that step moved as one habit for every question under RL, back and
+forth (R: one search everywhere at v64, two everywhere at v92), though the policy's own
+`progress` text stated the count beside it.
+
 Keeping the plan (`keep_plan = true`, needs `plan`): the environment holds the policy to the count
 it wrote (`refuse`): an answer before that many searches and a search beyond them are refused with a
 message, and the turn counts. The count stays the policy's choice, one token right after the
@@ -129,6 +138,12 @@ def progress_text(done: int, planned: int) -> str:
     return f"<think>searches done: {done} of {planned}</think>"
 
 
+def progress_note(done: int, planned: int) -> str:
+    """The `progress_note` option's text (QAOptions.progress_note)."""
+    step = "search for the next entity" if done < planned else "answer now"
+    return f"{done} of {planned} planned searches done: {step}."
+
+
 EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: EXAMPLE_2HOP}
 EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
@@ -174,6 +189,9 @@ class QAOptions:
     """With `plan`: every action after a search result begins with the searches done against the
     plan, `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and
     the instructions ask for it (module docstring: Plan). Needs `plan`."""
+    progress_note: bool = False
+    """With `plan`: after each search the environment adds the searches made against the written
+    count and the next step that count asks for (module docstring: The progress note). Needs `plan`."""
     keep_plan: bool = False
     """With `plan`: the environment holds the policy to the count it wrote (module docstring: Plan):
     an answer before that many searches, and a search beyond them, are refused with a message (the
@@ -188,7 +206,7 @@ class QAOptions:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
             raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
                              f"{self.retrieval_reward} and {self.retrieval_top_k}")
-        for name in ("progress", "keep_plan"):
+        for name in ("progress", "progress_note", "keep_plan"):
             if getattr(self, name) and not self.plan:
                 raise ValueError(f"{name} = true needs plan = true (it counts the searches against the plan)")
         hops = list(self.worked_examples)
@@ -228,7 +246,15 @@ class MultiHopQAEnv(ToolEnv):
             turns = EXAMPLES_BY_HOPS[h]
             actions = self._with_plan([content for role, content in turns if role == "assistant"])
             it = iter(actions)
-            messages += [(role, next(it) if role == "assistant" else content) for role, content in turns]
+            searches = len(actions) - 1
+            done = 0
+            for role, content in turns:
+                if role == "assistant":
+                    content = next(it)
+                elif role == "tool" and self.options.progress_note:
+                    done += 1
+                    content = f"{content}\n{progress_note(done, searches)}"
+                messages.append((role, content))
         return tuple(messages)
 
     def _with_plan(self, actions: list[str]) -> list[str]:
@@ -252,6 +278,15 @@ class MultiHopQAEnv(ToolEnv):
         if searches and done + searches > planned:
             return f"you planned {planned} searches and have made {done}; answer now"
         return None
+
+    def observation_note(self, state: EpisodeState) -> str | None:
+        """With `progress_note`: the searches made against the written count, and what comes next."""
+        if not self.options.progress_note:
+            return None
+        planned = self.planned_searches(state)
+        if planned is None:  # no plan written: nothing to count against
+            return None
+        return progress_note(len(_searches(state)), planned)
 
     def planned_searches(self, state: EpisodeState) -> int | None:
         """The search count the policy wrote in its first action of the episode (`plan_text`), or None."""

@@ -329,3 +329,46 @@ async def test_keep_plan_holds_the_policy_to_the_count_it_wrote(chat, world_task
     assert len(traj.turns) == 2 and traj.metrics["em"] == 0.0
     with pytest.raises(ValueError, match="needs plan"):
         QAOptions(keep_plan=True)
+
+
+async def test_progress_note_ends_each_search_result_with_the_count_and_the_next_step(chat, world_tasks):
+    from agentrl.engine.episode import build_demonstration
+
+    world, tasks = world_tasks
+
+    def env_with(worked_example=False, **options):
+        env = MultiHopQAEnv(chat, EnvConfig(max_turns=5, worked_example=worked_example), QAOptions(**options))
+        env.register_tool(LocalSearchTool(world.passages))
+        return env
+
+    def notes(traj):
+        return chat.decode(traj.token_ids).count("planned searches done")
+
+    env = env_with(plan=True, progress=True, progress_note=True)
+    two = two_hop(tasks)
+    q1, q2 = two.metadata["gold_queries"]
+    traj = await play(env, two, ["<think>searches: 2</think>" + search(q1), search(q2), answer(two.reference[0])])
+    text = chat.decode(traj.token_ids)
+    first, second = text.index("1 of 2 planned searches done: search for the next entity."), text.index("2 of 2 planned searches done: answer now.")
+    # Each note ends its tool message (the policy reads it right before deciding) and is not trained.
+    assert text.index("</tool_response>") < first < text.index(search(q2)) < second and traj.metrics["em"] == 1.0
+    obs = [i for i, a in enumerate(traj.is_action) if not a]
+    assert chat.decode([traj.token_ids[i] for i in obs]).count("planned searches done") == 2 == notes(traj)
+    # The count is the policy's: a wrong one is counted against as written.
+    traj = await play(env, two, ["<think>searches: 1</think>" + search(q1), answer("Nowhere")])
+    assert "1 of 1 planned searches done: answer now." in chat.decode(traj.token_ids)
+    # No count written, or the option off: no note.
+    assert notes(await play(env, two, [search(q1), answer("x")])) == 0
+    plain = env_with(plan=True, progress=True)
+    assert notes(await play(plain, two, ["<think>searches: 2</think>" + search(q1), answer("x")])) == 0
+    # The SFT demonstrations carry the notes (they run through the same step), and so do the worked examples.
+    assert notes(await build_demonstration(env, two)) == 2
+    shown = env_with(worked_example=True, plan=True, progress_note=True)
+    assert notes(await play(shown, two, [answer("x")])) == 2  # the 2-hop worked example's two results
+    # A long result is cut before the note, not the note itself.
+    short = env_with(plan=True, progress_note=True)
+    short.config.max_observation_tokens = 24
+    text = chat.decode((await play(short, two, ["<think>searches: 2</think>" + search(q1), answer("x")])).token_ids)
+    assert "1 of 2 planned searches done: search for the next entity." in text
+    with pytest.raises(ValueError, match="needs plan"):
+        QAOptions(progress_note=True)

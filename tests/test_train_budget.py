@@ -130,8 +130,10 @@ def test_the_sft_learner_trains_the_demonstrations_at_temperature_1_whatever_rl_
         config = load_run_config(None, sets).config
         return config, LearnerConfig(**layer(to_dict(config.learner), sft_learner_overrides(config.sft)))
 
-    config, learner = sft_learner(["orchestrator.sampling.temperature=0.6", "learner.trainer.temperature=0.6"])
+    config, learner = sft_learner(["orchestrator.sampling.temperature=0.6", "learner.trainer.temperature=0.6",
+                                   "learner.kl_reference=true", "learner.trainer.loss.kl_coef=0.05"])
     assert config.learner.trainer.temperature == 0.6 and learner.trainer.temperature == 1.0
+    assert config.learner.kl_reference and not learner.kl_reference and learner.trainer.loss.kl_coef == 0.0
     assert learner.max_steps == config.sft.steps and learner.trainer.optimizer.lr == config.sft.learner["trainer"]["optimizer"]["lr"]
     # [sft.learner] may still name its own.
     _, learner = sft_learner(["sft.learner.trainer.temperature=0.9"])
