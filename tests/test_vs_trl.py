@@ -167,10 +167,15 @@ def test_export_holds_the_same_job(tmp_path, tokenizer):
     assert spec == json.loads(json.dumps(job))
     rows = {name: [json.loads(line) for line in (tmp_path / f).read_text().splitlines()] for name, f in spec["files"].items()}
     assert len(rows["heldout"]) == 3 and len(rows["gold"]) == 4 and len(rows["train"]) == 40
-    # The curriculum: the first (until_version - sft.steps) steps x 2 questions are 1-hop, then 1 and 2 hops.
-    first = (config.tasks.options["curriculum"][0]["until_version"] - config.sft.steps) * 2
-    assert {r["num_hops"] for r in rows["train"][:first]} == {1}
-    assert {r["num_hops"] for r in rows["train"][first:]} == {1, 2}
+    # The curriculum, in the learner's versions: RL starts at version sft.steps and takes 2 questions
+    # per version, so a stage that ends at until_version holds (until_version - start) x 2 questions.
+    start = 0
+    for stage in config.tasks.options["curriculum"]:
+        end = (stage["until_version"] - config.sft.steps) * 2 if "until_version" in stage else len(rows["train"])
+        if end > start:
+            assert {r["num_hops"] for r in rows["train"][start:end]} == set(stage["hops"])
+        start = max(start, end)
+    assert start == len(rows["train"])
     # Gold trajectories are agentrl's ids: they start with the same prompt prefix the TRL template renders.
     tok = type(tokenizer).from_pretrained(tokenizer.name_or_path)
     tok.chat_template = G.CHAT_TEMPLATE
