@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -16,13 +17,15 @@ from agentrl.runconfig import DEFAULT_CONFIG, config_data, load_run_config
 from agentrl.train import main as train_main
 
 CONFIGS = sorted(DEFAULT_CONFIG.parent.glob("*.toml"))
+# The examples layer over the embedded default too: a change to it must leave them valid.
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*/config.toml"))
 
 
 def test_configs_are_shipped():
     assert {p.name for p in CONFIGS} >= {"cpu_default.toml", "gpu_agent_r1.toml"}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CONFIGS + EXAMPLE_CONFIGS, ids=lambda p: p.name if p.parent == DEFAULT_CONFIG.parent else p.parent.name)
 def test_shipped_config_resolves_and_its_learners_validate(path):
     resolved = load_run_config(path)
     config = resolved.config
