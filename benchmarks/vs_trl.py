@@ -84,10 +84,12 @@ def ensure_trl_venv(log_path: Path) -> Path:
 
 
 COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.baselines=false", "eval.in_budget=false",
-                   "env.options.retrieval_reward=0.0", "learner.trainer.advantage.dynamic_sampling=false")
+                   "env.options.retrieval_reward=0.0", "env.options.progress_note=false",
+                   "learner.trainer.advantage.dynamic_sampling=false")
 """What the comparison changes on `agentrl train`'s config: only the search tool, no in-budget
-evaluation, and neither the retrieval process term nor dynamic sampling (the TRL side's reward
-function restates the per-call terms and EM only, and GRPOTrainer trains every group)."""
+evaluation, and neither the retrieval process term, the environment's progress note nor dynamic
+sampling (the TRL side's reward function restates the per-call terms and EM only, its tool loop
+returns the tool's output only, and GRPOTrainer trains every group)."""
 
 
 def comparison_config(minutes: float, path: str | None = None, extra_sets: tuple[str, ...] = ()):
@@ -118,6 +120,13 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     sys.path.insert(0, str(TRL_SIDE))
     from grpo_tools import Search  # the search service's BM25, as the TRL side runs it
 
+    rl_learner = config.learner
+    if (config.env.options.get("retrieval_reward") or config.env.options.get("progress_note")
+            or rl_learner.trainer.advantage.dynamic_sampling):
+        raise ValueError("the TRL side restates neither the retrieval term, the progress note nor dynamic sampling; "
+                         "the config uses one")
+    if rl_learner.trainer.train_layers == "all" or rl_learner.trainer.train_embeddings:
+        raise ValueError("the TRL side mirrors only 'top k layers, frozen embedding' training; the config trains more")
     data_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(config.model_dir or None)
     taskset = load_taskset(config.tasks, data_dir)  # writes data_dir/corpus.jsonl
@@ -163,11 +172,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     schedule = rl_learner.reward_schedule
     rewards = dataclasses.asdict(config.env.rewards)
     rewards.pop("tool_diversity")  # one tool: the diversity term cannot occur
-    if config.env.options.get("retrieval_reward") or rl_learner.trainer.advantage.dynamic_sampling:
-        raise ValueError("the TRL side restates neither the retrieval term nor dynamic sampling; the config uses one")
     train_layers = rl_learner.trainer.train_layers
-    if train_layers == "all" or rl_learner.trainer.train_embeddings:
-        raise ValueError("the TRL side mirrors only 'top k layers, frozen embedding' training; the config trains more")
     job = {
         "files": files,
         "prompt_prefix": [{"role": "system", "content": env.system_prompt}] + [

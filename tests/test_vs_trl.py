@@ -211,3 +211,12 @@ def test_run_side_reads_the_last_json_line_and_reports_a_failing_side(tmp_path):
     bad = [sys.executable, "-c", "import sys; print('half way'); sys.exit(3)"]
     with pytest.raises(RuntimeError, match="exited with 3(.|\n)*half way"):
         vs_trl.run_side("bad", bad, tmp_path / "bad.log", timeout_s=60)
+
+
+@pytest.mark.parametrize("option", ["env.options.retrieval_reward=1.0", "env.options.progress_note=true",
+                                    "learner.trainer.advantage.dynamic_sampling=true", "learner.trainer.train_layers=all"])
+def test_export_refuses_what_the_trl_side_cannot_restate(tmp_path, option):
+    config = vs_trl.comparison_config(1.0, extra_sets=(option,))
+    with pytest.raises(ValueError, match="the TRL side"):
+        vs_trl.export_job(config, tmp_path / "job", prompts_per_step=2, num_train=4)
+    assert not (tmp_path / "job").exists()  # refused before anything was written
