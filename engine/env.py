@@ -18,6 +18,8 @@ looks inside a task. The hooks (override what you need; docs/ENVIRONMENTS.md has
                                is shown instead of carrying it out (its calls are not run, its
                                answer does not end the episode; the turn counts, with the
                                `no_action` term), or None (default: None)
+    observation_note(state)    text the environment ends the next tool message with (after the
+                               tool responses, never cut), or None (default: None)
     reward(task, episode)      -> Reward(task reward, metrics, named process terms): the only place
                                that knows what success is
     demonstration(task)        scripted actions that solve the task (SFT cold start), or None
