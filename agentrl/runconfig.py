@@ -186,7 +186,8 @@ def load_run_config(config_file: str | Path | None = None, sets: list | tuple = 
 
 # A layer that names another task loader or environment class replaces that plug-in's options
 # whole: the earlier options belong to the plug-in it replaces.
-_SWITCHES = {("tasks", "loader"): "synthetic", ("env", "class"): "multihop_qa"}
+# (The value an absent key takes is the config class's default.)
+_SWITCHES = {("tasks", "loader"): TasksConfig().loader, ("env", "class"): EnvConfig().env_class}
 
 
 def _switching_layer(data: dict, override: dict, origins: Origins, source: str) -> dict:
