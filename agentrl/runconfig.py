@@ -227,8 +227,8 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         if key in data.get("sft", {}).get("learner", {}):
             problems.append(f"{at('sft', 'learner', key)}: set it in [learner]: the SFT and RL learners share their "
                             "CurveZMQ keys, and the run hands its clients the matching ones")
-    try:  # the SFT learner: [sft.learner] layered over [learner]
-        build(LearnerConfig, layer(_without(data.get("learner", {})), _without(data.get("sft", {}).get("learner", {}))),
+    try:  # the SFT learner: [sft.learner] layered over [learner], as the supervisor derives it
+        build(LearnerConfig, layer(_without(data.get("learner", {})), _without(sft_learner_overrides(config.sft))),
               origins=origins, default_source=source, prefix=("sft", "learner"))
     except ConfigError as err:
         problems.append(str(err))
@@ -260,6 +260,19 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:
         raise ConfigError("\n".join(dict.fromkeys(problems)))  # once each: two checks may trip on one cause
+
+
+def sft_learner_overrides(sft) -> dict:
+    """What the SFT phase's learner changes on `[learner]`: `[sft.learner]`, the step count, and,
+    unless `[sft.learner]` names them, temperature 1.0 and no KL reference. Both are RL's:
+    `learner.trainer.temperature` is the sampling temperature the behaviour log-probs were computed
+    at (demonstrations have none; training their likelihood at 0.7 instead of 1.0 cost the default's
+    SFT checkpoint 0.677 -> 0.469 held-out EM, every 2-hop question answered after one search;
+    docs/notes/issue-15.md, run Q), and the SFT loss has no KL term, so a reference copy would only
+    cost memory and loading time."""
+    rl_only = {"kl_reference": False, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
+    return layer(layer(rl_only, sft.learner),
+                 {"max_steps": sft.steps, "publish_every": sft.steps, "checkpoint_every": sft.steps})
 
 
 def config_data(config: TrainConfig) -> dict[str, Any]:

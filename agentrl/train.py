@@ -59,7 +59,14 @@ from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
 from agentrl.progress import Progress
-from agentrl.runconfig import DEFAULT_CONFIG, TrainConfig, config_data, load_run_config, schema_text
+from agentrl.runconfig import (
+    DEFAULT_CONFIG,
+    TrainConfig,
+    config_data,
+    load_run_config,
+    schema_text,
+    sft_learner_overrides,
+)
 
 RUN_CLIENT = "agentrl-run"
 """Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
@@ -496,19 +503,6 @@ def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
         return 0.0
     durations = [e["eval_s"] for e in evals if e.get("label") in CLEAN_EVALUATIONS and "eval_s" in e]
     return 1.25 * (durations[-1] if durations else 120.0) + 30.0
-
-
-def sft_learner_overrides(sft) -> dict:
-    """What the SFT phase's learner changes on `[learner]`: `[sft.learner]`, the step count, and,
-    unless `[sft.learner]` names them, temperature 1.0 and no KL reference. Both are RL's:
-    `learner.trainer.temperature` is the sampling temperature the behaviour log-probs were computed
-    at (demonstrations have none; training their likelihood at 0.7 instead of 1.0 cost the default's
-    SFT checkpoint 0.677 -> 0.469 held-out EM, every 2-hop question answered after one search;
-    docs/notes/issue-15.md, run Q), and the SFT loss has no KL term, so a reference copy would only
-    cost memory and loading time."""
-    rl_only = {"kl_reference": False, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
-    return layer(layer(rl_only, sft.learner),
-                 {"max_steps": sft.steps, "publish_every": sft.steps, "checkpoint_every": sft.steps})
 
 
 def sft_stop_at(now_s: float, max_minutes: float, deadline_s: float, reserve_s: float) -> float:

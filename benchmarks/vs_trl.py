@@ -115,6 +115,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     from agentrl.engine.tasksets import load_taskset
     from agentrl.engine.tools import FunctionTool
     from agentrl.learner.config import LearnerConfig
+    from agentrl.runconfig import sft_learner_overrides
     from agentrl.toolservers.search import SearchTool
 
     sys.path.insert(0, str(TRL_SIDE))
@@ -166,7 +167,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
                 f.write(json.dumps(row) + "\n")
 
     rl_learner = config.learner
-    sft_learner = LearnerConfig(**layer(to_dict(config.learner), config.sft.learner))
+    sft_learner = LearnerConfig(**layer(to_dict(config.learner), sft_learner_overrides(config.sft)))
     rl_opt, sft_opt = rl_learner.trainer.optimizer, sft_learner.trainer.optimizer
     loss = rl_learner.trainer.loss
     schedule = rl_learner.reward_schedule
