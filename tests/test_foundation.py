@@ -171,11 +171,17 @@ async def test_hot_swap_keeps_inflight_requests(vllm_server, model_dir, tokenize
             await reset_kv_cache(vllm_server.base_url)
         restored = await greedy(client, ids)
 
+    # No request was lost or cut short by the swap, and each one's labels run old -> new, in order.
     assert all(len(g.token_ids) == max_tokens for g in gens)
-    # Every request was still generating when the swap landed: it spans both versions, in order.
     for g in gens:
-        assert g.versions[0] == version0 and g.versions[-1] == version0 + 1
-        assert g.versions == sorted(g.versions)
+        assert set(g.versions) <= {version0, version0 + 1} and g.versions == sorted(g.versions)
+    # The swap landed while requests were generating: they continued under the new weights. How
+    # many tokens each had before it depends on the scheduler and the machine's speed (here 2-3 of
+    # 128 after the 0.5 s wait; a CI run once saw a request finish all 128 at the old version), so
+    # the test asserts that most requests span both versions, not that every one does.
+    spanning = sum(g.versions[0] == version0 and g.versions[-1] == version0 + 1 for g in gens)
+    old_tokens = [g.versions.count(version0) for g in gens]
+    assert spanning >= num_inflight // 2, f"{spanning} of {num_inflight} span both versions; old-version tokens per request {old_tokens}; push {result}"
     assert after_perturbed != before
     assert restored == before
 
