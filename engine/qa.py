@@ -34,6 +34,16 @@ instructions ask for it), so the step that decides between searching again and a
 right after the policy has restated its own count beside the searches made, instead of having to
 look back past a tool response to the count it wrote. Like the plan, it is the policy's own text.
 
+Evidence (`evidence = true`, needs `progress`): the `progress` text after a search result also
+copies the sentence of that result which answers the search, `<think>searches done: 1 of 2. Brakro
+Cuth was born in Baendbury.</think>`, in the worked examples and the demonstrations (the sentence
+is the supporting passage's first, task metadata `supporting_facts`); the instructions ask for it.
+The next query or the answer is then the end of a sentence the policy has just written, not an
+entity picked out of three passages. Measured against its absence (run U, docs/notes/issue-15.md):
+seed 1's 2-hop errors were the city given for "In which country is the city where X was born?"
+after a search that returned "<city> is a city in <country>.", and a second query on the wrong
+entity of the first result.
+
 The progress note (`progress_note = true`, needs `plan`): after each search the environment ends
 the tool message with the searches made against the count the policy wrote and what that count
 says to do next ("1 of 2 planned searches done: search for the next entity." or "2 of 2 planned
@@ -134,8 +144,13 @@ def plan_text(num_searches: int) -> str:
 PROGRESS_INSTRUCTION = "After each search result, write <think>searches done: K of N</think> before the next search or the answer."
 
 
-def progress_text(done: int, planned: int) -> str:
-    return f"<think>searches done: {done} of {planned}</think>"
+# The `evidence` option (QAOptions.evidence): the progress text also copies the fact just found.
+EVIDENCE_INSTRUCTION = ("After each search result, write <think>searches done: K of N. S</think> before the next search "
+                        "or the answer, S the sentence of the result that answers the search.")
+
+
+def progress_text(done: int, planned: int, evidence: str | None = None) -> str:
+    return f"<think>searches done: {done} of {planned}{f'. {evidence}' if evidence else ''}</think>"
 
 
 def progress_note(done: int, planned: int) -> str:
@@ -145,6 +160,11 @@ def progress_note(done: int, planned: int) -> str:
 
 
 EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: EXAMPLE_2HOP}
+# The sentence of each worked example's search result that answers it (the `evidence` option).
+EXAMPLE_FACTS_BY_HOPS: dict[int, tuple[str, ...]] = {
+    1: ("The Tessick Lamp is made by Quorran Works.",),
+    2: ("Brimbell Optics was founded by Oska Venn in 1987.", "Oska Venn was born in Lorrowby."),
+}
 EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
 NAIVE_RAG_SYSTEM_PROMPT = "Answer the question using the passages. Write only the answer, as <answer>short answer</answer>."
@@ -189,6 +209,9 @@ class QAOptions:
     """With `plan`: every action after a search result begins with the searches done against the
     plan, `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and
     the instructions ask for it (module docstring: Plan). Needs `plan`."""
+    evidence: bool = False
+    """With `progress`: the progress text after a search result also copies the sentence of the
+    result that answers the search (module docstring: Evidence). Needs `progress`."""
     progress_note: bool = False
     """With `plan`: after each search the environment adds the searches made against the written
     count and the next step that count asks for (module docstring: The progress note). Needs `plan`."""
@@ -209,6 +232,8 @@ class QAOptions:
         for name in ("progress", "progress_note", "keep_plan"):
             if getattr(self, name) and not self.plan:
                 raise ValueError(f"{name} = true needs plan = true (it counts the searches against the plan)")
+        if self.evidence and not self.progress:
+            raise ValueError("evidence = true needs progress = true (the fact is written in the progress text)")
         hops = list(self.worked_examples)
         if not hops or len(set(hops)) != len(hops) or any(h not in EXAMPLES_BY_HOPS for h in hops):
             raise ValueError(f"worked_examples must list distinct hop counts from {sorted(EXAMPLES_BY_HOPS)}, "
@@ -223,8 +248,9 @@ class MultiHopQAEnv(ToolEnv):
     user_prefix = "Question: "
 
     def intro(self) -> str:
+        progress = EVIDENCE_INSTRUCTION if self.options.evidence else PROGRESS_INSTRUCTION
         return " ".join([INTRO, *([PLAN_INSTRUCTION] if self.options.plan else []),
-                         *([PROGRESS_INSTRUCTION] if self.options.progress else [])])
+                         *([progress] if self.options.progress else [])])
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
         return self._example_orders[0]
@@ -244,7 +270,7 @@ class MultiHopQAEnv(ToolEnv):
         messages = []
         for h in hops:
             turns = EXAMPLES_BY_HOPS[h]
-            actions = self._with_plan([content for role, content in turns if role == "assistant"])
+            actions = self._with_plan([content for role, content in turns if role == "assistant"], EXAMPLE_FACTS_BY_HOPS[h])
             it = iter(actions)
             searches = len(actions) - 1
             done = 0
@@ -257,12 +283,15 @@ class MultiHopQAEnv(ToolEnv):
                 messages.append((role, content))
         return tuple(messages)
 
-    def _with_plan(self, actions: list[str]) -> list[str]:
+    def _with_plan(self, actions: list[str], facts: list[str] | tuple[str, ...]) -> list[str]:
         """A solved episode's actions (one search per hop, then the answer) with the `plan` count
-        before the first and, with `progress`, the searches done before each later one."""
+        before the first and, with `progress`, the searches done before each later one (and, with
+        `evidence`, `facts[i]`: the sentence the i-th search found)."""
         n = len(actions) - 1
+        evidence = list(facts) if self.options.evidence else [None] * n
         return [(plan_text(n) if self.options.plan and i == 0 else "")
-                + (progress_text(i, n) if self.options.progress and i > 0 else "") + a for i, a in enumerate(actions)]
+                + (progress_text(i, n, evidence[i - 1]) if self.options.progress and i > 0 else "") + a
+                for i, a in enumerate(actions)]
 
     def refuse(self, state: EpisodeState, parsed: ParsedAction) -> str | None:
         """With `keep_plan`: an answer before the planned searches, or a search beyond them."""
@@ -312,8 +341,12 @@ class MultiHopQAEnv(ToolEnv):
         queries = task.metadata.get("gold_queries") or []
         if not queries:
             return None
+        facts = task.metadata.get("supporting_facts") or []
+        if self.options.evidence and len(facts) != len(queries):
+            raise ValueError(f"task {task.task_id}: evidence = true needs one supporting fact per gold query "
+                             f"(metadata supporting_facts), got {len(facts)} for {len(queries)} queries")
         return self._with_plan([*(self.parser.format_call("search", {"query": q}) for q in queries),
-                                self.parser.format_answer(answers(task)[0])])
+                                self.parser.format_answer(answers(task)[0])], facts)
 
     async def baselines(self, tasks: list[Task]) -> dict[str, ToolEnv]:
         if "search" not in self.tools:

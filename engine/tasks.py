@@ -38,15 +38,18 @@ SPLITS = ("train", "heldout")
 
 def qa_task(task_id: str, question: str, answers: tuple[str, ...] | list[str], *, num_hops: int = 0, source: str = "synthetic",
             supporting_ids: tuple[str, ...] | list[str] = (), gold_queries: tuple[str, ...] | list[str] = (),
-            intermediate_answers: tuple[str, ...] | list[str] = ()) -> Task:
+            intermediate_answers: tuple[str, ...] | list[str] = (),
+            supporting_facts: tuple[str, ...] | list[str] = ()) -> Task:
     """A question-answering task in the generic layout: prompt = the question, reference = the gold
     answer and its aliases (EM/F1 take the best over them), metadata = the hop count, the source,
     the gold supporting passage ids (in hop order for synthetic tasks), one gold search query per
-    hop that retrieves the hop's passage, and the bridge entities each hop but the last resolves to
-    (these two for synthetic tasks only: the QA environment's demonstration and failure labels)."""
+    hop that retrieves the hop's passage, the bridge entities each hop but the last resolves to,
+    and the sentence of each hop's passage that states the hop's fact (these three for synthetic
+    tasks only: the QA environment's demonstration and failure labels)."""
     return Task(task_id, prompt=question, reference=list(answers),
                 metadata={"num_hops": num_hops, "source": source, "supporting_ids": list(supporting_ids),
-                          "gold_queries": list(gold_queries), "intermediate_answers": list(intermediate_answers)})
+                          "gold_queries": list(gold_queries), "intermediate_answers": list(intermediate_answers),
+                          "supporting_facts": list(supporting_facts)})
 
 
 @dataclass
@@ -95,6 +98,8 @@ class _Fact:
     subject: str
     obj: str
     passage_id: str
+    sentence: str
+    """The passage's sentence that states the fact (its first)."""
 
 
 @dataclass
@@ -163,8 +168,9 @@ class SyntheticWorld:
 
     def _add_fact(self, relation: str, subject: str, obj: str, sentence: str, filler: str) -> None:
         passage_id = f"{relation}-{_slug(subject)}"
-        self._facts[(relation, subject)] = _Fact(relation, subject, obj, passage_id)
-        self.passages.append({"id": passage_id, "title": subject, "text": f"{sentence.format(obj=obj)} {filler}"})
+        sentence = sentence.format(obj=obj)
+        self._facts[(relation, subject)] = _Fact(relation, subject, obj, passage_id, sentence)
+        self.passages.append({"id": passage_id, "title": subject, "text": f"{sentence} {filler}"})
 
     def write_corpus(self, path: str | Path) -> Path:
         """Write the passage corpus as JSONL (the search tool server's `--corpus`)."""
@@ -222,12 +228,13 @@ class SyntheticWorld:
 
     def _compose(self, start: str, chain: tuple[str, ...]) -> Task | None:
         entity, description = start, (f"the {start}" if chain[0] == "made_by" else start)
-        passage_ids, queries, bridges = [], [], []
+        passage_ids, queries, bridges, sentences = [], [], [], []
         for i, relation in enumerate(chain):
             fact = self._facts.get((relation, entity))
             if fact is None:
                 return None
             passage_ids.append(fact.passage_id)
+            sentences.append(fact.sentence)
             queries.append(_QUERY[relation].format(x=entity))
             if i == len(chain) - 1:
                 question = _QUESTION[relation].format(x=description)
@@ -238,7 +245,8 @@ class SyntheticWorld:
         question = question[0].upper() + question[1:]
         task_id = f"syn{self.config.seed}-{len(chain)}h-{'.'.join(r[0] for r in chain)}-{_slug(start)}"
         return qa_task(task_id, question, [entity], num_hops=len(chain), source="synthetic",
-                       supporting_ids=passage_ids, gold_queries=queries, intermediate_answers=bridges)
+                       supporting_ids=passage_ids, gold_queries=queries, intermediate_answers=bridges,
+                       supporting_facts=sentences)
 
 
 # Relation chains by hop count; each ends at an entity with a short name.

@@ -4,6 +4,7 @@ real environment and a real BM25 index over the synthetic world; no server neede
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -305,6 +306,38 @@ async def test_progress_option_counts_the_searches_done_against_the_plan(chat, w
     assert "searches done: K of N" in env.system_prompt and "searches done" not in plan_only.system_prompt
     with pytest.raises(ValueError, match="needs plan"):
         QAOptions(progress=True)
+
+
+async def test_evidence_option_copies_the_fact_each_search_found(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, progress=True, evidence=True, worked_examples=[1, 2])
+    progress_only = make_env(chat, world, plan=True, progress=True, worked_examples=[1, 2])
+    two = two_hop(tasks)
+    facts = two.metadata["supporting_facts"]
+    bridge, gold = two.metadata["intermediate_answers"][0], two.reference[0]
+    # The world's sentences: the first states the bridge, the second the answer, each ends its own fact.
+    assert len(facts) == 2 and bridge in facts[0] and gold in facts[1]
+    actions = env.demonstration(two)
+    assert actions[0] == progress_only.demonstration(two)[0]
+    assert actions[1].startswith(f"<think>searches done: 1 of 2. {facts[0]}</think><tool_call>")
+    assert actions[2] == f"<think>searches done: 2 of 2. {facts[1]}</think><answer>{gold}</answer>"
+    assert [a.split("</think>")[-1] for a in actions] == [a.split("</think>")[-1] for a in progress_only.demonstration(two)]
+    # Each copied sentence is in the search result before it (a real BM25 search over the world).
+    traj = await play(env, two, actions)
+    assert traj.metrics["em"] == 1.0 and traj.metrics["num_tool_calls"] == 2
+    text = chat.decode(traj.token_ids[traj.prompt_len:])
+    for fact in facts:
+        assert text.index(fact) < text.index(f". {fact}</think>")
+    # The worked examples copy theirs, each found in the example's own result; the instructions ask.
+    prompt = chat.decode(env.reset(two).token_ids)
+    for fact in ("The Tessick Lamp is made by Quorran Works.", "Oska Venn was born in Lorrowby."):
+        assert prompt.count(fact) == 2 and f". {fact}</think>" in prompt
+    assert "the sentence of the result" in env.system_prompt and "the sentence" not in progress_only.system_prompt
+    with pytest.raises(ValueError, match="needs progress"):
+        QAOptions(plan=True, evidence=True)
+    bare = dataclasses.replace(two, metadata={**two.metadata, "supporting_facts": []})
+    with pytest.raises(ValueError, match="one supporting fact per gold query"):
+        env.demonstration(bare)
 
 
 async def test_keep_plan_holds_the_policy_to_the_count_it_wrote(chat, world_tasks):
