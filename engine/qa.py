@@ -34,15 +34,16 @@ instructions ask for it), so the step that decides between searching again and a
 right after the policy has restated its own count beside the searches made, instead of having to
 look back past a tool response to the count it wrote. Like the plan, it is the policy's own text.
 
-Evidence (`evidence = true`, needs `progress`): the `progress` text after a search result also
-copies the sentence of that result which answers the search, `<think>searches done: 1 of 2. Brakro
-Cuth was born in Baendbury.</think>`, in the worked examples and the demonstrations (the sentence
-is the supporting passage's first, task metadata `supporting_facts`); the instructions ask for it.
-The next query or the answer is then the end of a sentence the policy has just written, not an
-entity picked out of three passages. Measured against its absence (run U, docs/notes/issue-15.md):
-seed 1's 2-hop errors were the city given for "In which country is the city where X was born?"
-after a search that returned "<city> is a city in <country>.", and a second query on the wrong
-entity of the first result.
+Evidence (`evidence = true`, needs `progress`): the `progress` text after a search result first
+copies the sentence of that result which answers the search, `<think>Brakro Cuth was born in
+Baendbury. searches done: 1 of 2</think>`, in the worked examples and the demonstrations (the
+sentence is the supporting passage's first, task metadata `supporting_facts`); the instructions ask
+for it. The next query or the answer then comes a few tokens after a sentence the policy has just
+written, instead of being picked out of three passages. The sentence comes before the count so that
+the step deciding between searching again and answering still follows the count directly: with
+the sentence after it (run U, docs/notes/issue-15.md) the SFT policy rose on seed 1 (0.365 ->
+0.542) but RL then answered the copied sentence's object after one search on every 2-hop question
+(2-hop EM 0.327 -> 0.000), the 1-hop pattern "fact</think><answer>object" taking over.
 
 The progress note (`progress_note = true`, needs `plan`): after each search the environment ends
 the tool message with the searches made against the count the policy wrote and what that count
@@ -145,12 +146,12 @@ PROGRESS_INSTRUCTION = "After each search result, write <think>searches done: K 
 
 
 # The `evidence` option (QAOptions.evidence): the progress text also copies the fact just found.
-EVIDENCE_INSTRUCTION = ("After each search result, write <think>searches done: K of N. S</think> before the next search "
+EVIDENCE_INSTRUCTION = ("After each search result, write <think>S searches done: K of N</think> before the next search "
                         "or the answer, S the sentence of the result that answers the search.")
 
 
 def progress_text(done: int, planned: int, evidence: str | None = None) -> str:
-    return f"<think>searches done: {done} of {planned}{f'. {evidence}' if evidence else ''}</think>"
+    return f"<think>{f'{evidence} ' if evidence else ''}searches done: {done} of {planned}</think>"
 
 
 def progress_note(done: int, planned: int) -> str:

@@ -319,19 +319,20 @@ async def test_evidence_option_copies_the_fact_each_search_found(chat, world_tas
     assert len(facts) == 2 and bridge in facts[0] and gold in facts[1]
     actions = env.demonstration(two)
     assert actions[0] == progress_only.demonstration(two)[0]
-    assert actions[1].startswith(f"<think>searches done: 1 of 2. {facts[0]}</think><tool_call>")
-    assert actions[2] == f"<think>searches done: 2 of 2. {facts[1]}</think><answer>{gold}</answer>"
+    # The sentence first, the count last: the step that decides what comes next follows the count.
+    assert actions[1].startswith(f"<think>{facts[0]} searches done: 1 of 2</think><tool_call>")
+    assert actions[2] == f"<think>{facts[1]} searches done: 2 of 2</think><answer>{gold}</answer>"
     assert [a.split("</think>")[-1] for a in actions] == [a.split("</think>")[-1] for a in progress_only.demonstration(two)]
     # Each copied sentence is in the search result before it (a real BM25 search over the world).
     traj = await play(env, two, actions)
     assert traj.metrics["em"] == 1.0 and traj.metrics["num_tool_calls"] == 2
     text = chat.decode(traj.token_ids[traj.prompt_len:])
     for fact in facts:
-        assert text.index(fact) < text.index(f". {fact}</think>")
+        assert text.index(fact) < text.index(f"<think>{fact} searches done")
     # The worked examples copy theirs, each found in the example's own result; the instructions ask.
     prompt = chat.decode(env.reset(two).token_ids)
     for fact in ("The Tessick Lamp is made by Quorran Works.", "Oska Venn was born in Lorrowby."):
-        assert prompt.count(fact) == 2 and f". {fact}</think>" in prompt
+        assert prompt.count(fact) == 2 and f"<think>{fact} searches done" in prompt
     assert "the sentence of the result" in env.system_prompt and "the sentence" not in progress_only.system_prompt
     with pytest.raises(ValueError, match="needs progress"):
         QAOptions(plan=True, evidence=True)
