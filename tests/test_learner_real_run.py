@@ -11,9 +11,11 @@ pushed back at the end, so later tests see the prepared model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +30,50 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_learner_config(path: Path, vllm_server, *, run_dir: Path, group_endpoint: str, version_endpoint: str,
+                         top: str, lr: float, trainer: str = "") -> Path:
+    """A learner TOML for these tests: the shared server, one trained layer (seconds a step on 2
+    cores), one group a step (`tokens_per_step = 1`: the first group is always taken); `top` and
+    `trainer` add keys to the top level and to [trainer]."""
+    path.write_text(f"""
+output_dir = "{run_dir}"
+model_dir = "{vllm_server.model_dir}"
+tokens_per_step = 1
+group_endpoint = "{group_endpoint}"
+version_endpoint = "{version_endpoint}"
+server_urls = ["{vllm_server.base_url}"]
+progress_bar = false
+{top}
+[trainer]
+precision = "bf16"
+train_layers = 1
+train_embeddings = false
+{trainer}
+[trainer.optimizer]
+lr = {lr}
+""")
+    return path
+
+
+@contextlib.contextmanager
+def learner_process(config: Path, log_path: Path):
+    """`agentrl learner --config` as a child in its own session, its output in `log_path`; stopped
+    by PID on the way out if it still runs (terminate, then kill after 60 s)."""
+    with open(log_path, "wb") as log:
+        learner = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield learner
+        finally:
+            if learner.poll() is None:
+                learner.terminate()
+                try:
+                    learner.wait(60)
+                except subprocess.TimeoutExpired:
+                    learner.kill()
+                    learner.wait(60)
 
 
 async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_server, tokenizer, model_dir, tmp_path):
@@ -50,67 +96,40 @@ async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_
     group_endpoint = f"tcp://127.0.0.1:{_free_port()}"
     version_endpoint = f"tcp://127.0.0.1:{_free_port()}"
     run_dir = tmp_path / "run"
-    config = tmp_path / "learner.toml"
-    # tokens_per_step = 1: every step takes exactly one whole group (the first group is always taken).
-    config.write_text(f"""
-output_dir = "{run_dir}"
-model_dir = "{vllm_server.model_dir}"
-tokens_per_step = 1
-max_steps = {NUM_STEPS}
-publish_every = 1
-checkpoint_every = {NUM_STEPS}
-staleness_bound = 4
-group_endpoint = "{group_endpoint}"
-version_endpoint = "{version_endpoint}"
-server_urls = ["{vllm_server.base_url}"]
-tensorboard = true
-progress_bar = false
-
-[trainer]
-precision = "bf16"
-train_layers = 1
-train_embeddings = false
-max_row_tokens = 4096
-
-[trainer.optimizer]
-lr = 1e-5
-""")
+    config = write_learner_config(
+        tmp_path / "learner.toml", vllm_server, run_dir=run_dir, group_endpoint=group_endpoint,
+        version_endpoint=version_endpoint, lr=1e-5, trainer="max_row_tokens = 4096",
+        top=f"max_steps = {NUM_STEPS}\npublish_every = 1\ncheckpoint_every = {NUM_STEPS}\nstaleness_bound = 4\ntensorboard = true")
     async with VLLMClient(vllm_server.base_url) as client:
         version_before = await client.weight_version()
     search = start_toolserver("search", "tcp://127.0.0.1:*", "--corpus", str(corpus))
-    log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115
-    learner = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     groups = []
     sender = GroupSender(group_endpoint)
     versions = VersionSubscriber(version_endpoint)
     try:
-        await sender.start()
-        await versions.start()
+        with learner_process(config, tmp_path / "learner.log") as learner:
+            await sender.start()
+            await versions.start()
 
-        async def sink(group):
-            groups.append(group)
-            await sender.send(group)
+            async def sink(group):
+                groups.append(group)
+                await sender.send(group)
 
-        async with ToolClient([search.endpoint]) as tools, ServerPool([vllm_server.base_url]) as pool:
-            env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
-            for tool in await remote_tools(tools):
-                env.register_tool(tool)
-            orch = Orchestrator(env, pool.generate, sink,
-                                OrchestratorConfig(group_size=3, max_concurrent_episodes=3, max_staleness=1,
-                                                   sampling=SamplingConfig(temperature=1.0, seed=3)),
-                                versions=versions)
-            stats = await orch.run(tasks)
-        assert await sender.wait_all_acked(timeout_s=300)
-        returncode = await asyncio.to_thread(learner.wait, 600)
-        assert returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
-        async with VLLMClient(vllm_server.base_url) as client:
-            served = await client.weight_version()
+            async with ToolClient([search.endpoint]) as tools, ServerPool([vllm_server.base_url]) as pool:
+                env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
+                for tool in await remote_tools(tools):
+                    env.register_tool(tool)
+                orch = Orchestrator(env, pool.generate, sink,
+                                    OrchestratorConfig(group_size=3, max_concurrent_episodes=3, max_staleness=1,
+                                                       sampling=SamplingConfig(temperature=1.0, seed=3)),
+                                    versions=versions)
+                stats = await orch.run(tasks)
+            assert await sender.wait_all_acked(timeout_s=300)
+            returncode = await asyncio.to_thread(learner.wait, 600)
+            assert returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
+            async with VLLMClient(vllm_server.base_url) as client:
+                served = await client.weight_version()
     finally:
-        if learner.poll() is None:
-            learner.terminate()
-            learner.wait(60)
-        log.close()
         await sender.close()
         await versions.close()
         search.stop()
@@ -164,55 +183,30 @@ async def test_a_stopped_sft_learner_serves_the_step_it_reached(vllm_server, tok
         search.stop()
     group_endpoint = f"tcp://127.0.0.1:{_free_port()}"
     run_dir = tmp_path / "sft"
-    config = tmp_path / "learner.toml"
-    config.write_text(f"""
-output_dir = "{run_dir}"
-model_dir = "{vllm_server.model_dir}"
-mode = "sft"
-tokens_per_step = 1
-max_steps = 50
-publish_every = 50
-checkpoint_every = 50
-group_endpoint = "{group_endpoint}"
-version_endpoint = "tcp://127.0.0.1:{_free_port()}"
-server_urls = ["{vllm_server.base_url}"]
-tensorboard = false
-progress_bar = false
-
-[trainer]
-precision = "bf16"
-train_layers = 1
-train_embeddings = false
-
-[trainer.optimizer]
-lr = 1e-4
-""")
+    config = write_learner_config(
+        tmp_path / "learner.toml", vllm_server, run_dir=run_dir, group_endpoint=group_endpoint,
+        version_endpoint=f"tcp://127.0.0.1:{_free_port()}", lr=1e-4,
+        top='mode = "sft"\nmax_steps = 50\npublish_every = 50\ncheckpoint_every = 50\ntensorboard = false')
     async with VLLMClient(vllm_server.base_url) as client:
         version_before = await client.weight_version()
-    log = open(tmp_path / "learner.log", "wb")  # noqa: SIM115
-    learner = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sender = GroupSender(group_endpoint)
     try:
-        await sender.start()
-        for i, traj in enumerate(gold[:2]):  # one group a step (tokens_per_step = 1): two steps
-            await sender.send(TrajectoryGroup(f"sft-{i}", traj.task_id, [traj]))
-        assert await sender.wait_all_acked(timeout_s=300)
-        deadline = time.monotonic() + 300
-        metrics = run_dir / "metrics.jsonl"
-        while not metrics.exists() or len(read_metrics(metrics)) < 2:
-            assert learner.poll() is None and time.monotonic() < deadline, (tmp_path / "learner.log").read_text()[-4000:]
-            await asyncio.sleep(0.5)
-        learner.send_signal(signal.SIGTERM)
-        returncode = await asyncio.to_thread(learner.wait, 300)
-        assert returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
-        async with VLLMClient(vllm_server.base_url) as client:
-            served = await client.weight_version()
+        with learner_process(config, tmp_path / "learner.log") as learner:
+            await sender.start()
+            for i, traj in enumerate(gold[:2]):  # one group a step (tokens_per_step = 1): two steps
+                await sender.send(TrajectoryGroup(f"sft-{i}", traj.task_id, [traj]))
+            assert await sender.wait_all_acked(timeout_s=300)
+            deadline = time.monotonic() + 300
+            metrics = run_dir / "metrics.jsonl"
+            while not metrics.exists() or len(read_metrics(metrics)) < 2:
+                assert learner.poll() is None and time.monotonic() < deadline, (tmp_path / "learner.log").read_text()[-4000:]
+                await asyncio.sleep(0.5)
+            learner.send_signal(signal.SIGTERM)
+            returncode = await asyncio.to_thread(learner.wait, 300)
+            assert returncode == 0, (tmp_path / "learner.log").read_text()[-4000:]
+            async with VLLMClient(vllm_server.base_url) as client:
+                served = await client.weight_version()
     finally:
-        if learner.poll() is None:
-            learner.kill()
-            learner.wait(60)
-        log.close()
         await sender.close()
         await push_weights(vllm_server.base_url, model_dir / "model.safetensors", version_before)
 
