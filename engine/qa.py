@@ -211,8 +211,9 @@ class QAOptions:
     plan, `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and
     the instructions ask for it (module docstring: Plan). Needs `plan`."""
     evidence: bool = False
-    """With `progress`: the progress text after a search result also copies the sentence of the
-    result that answers the search (module docstring: Evidence). Needs `progress`."""
+    """With `progress`: the progress text after a search result first copies the sentence of the
+    result that answers the search, then states the count (module docstring: Evidence). Needs
+    `progress`."""
     progress_note: bool = False
     """With `plan`: after each search the environment adds the searches made against the written
     count and the next step that count asks for (module docstring: The progress note). Needs `plan`."""
