@@ -74,6 +74,13 @@ async def _send_and_ack(sender: GroupSender, receiver: GroupReceiver, group_id: 
     assert await sender.wait_all_acked(10)
 
 
+def _handshakes_failed(sender: GroupSender) -> int:
+    """Keys on one side only: libzmq reports the mechanism mismatch as PROTOCOL (refused) when this
+    side reads the learner's greeting, and as NO_DETAIL (failed, then a reconnect) when the learner
+    drops the connection first; which one depends on timing (a CI machine saw NO_DETAIL)."""
+    return sender.num_handshakes_refused + sender.num_handshakes_failed
+
+
 async def _send_refused(sender: GroupSender, group_id: str) -> asyncio.Task:
     """`send` of a connection the learner refused may block for good (libzmq drops the DEALER's only
     pipe), so it runs as a task the test cancels."""
@@ -149,7 +156,7 @@ async def test_a_plaintext_sender_cannot_talk_to_a_curve_receiver(keys):
     try:
         await raw.send_multipart([GROUP, *encode_group(make_group("g-raw", [1.0, 0.0]))], flags=zmq.NOBLOCK)
         await _never_received(receiver)
-        assert plain.num_handshakes_refused == 1 and plain.num_acked == 0
+        assert _handshakes_failed(plain) >= 1 and plain.num_acked == 0
         assert receiver.num_malformed == 0
     finally:
         send.cancel()
@@ -169,7 +176,7 @@ async def test_curve_keys_on_one_side_only_are_refused_by_the_client_too(keys):
     send = await _send_refused(sender, "g-one-sided")
     try:
         await _never_received(receiver)
-        assert sender.num_handshakes_refused == 1
+        assert _handshakes_failed(sender) >= 1 and sender.num_acked == 0
     finally:
         send.cancel()
         await sender.close()

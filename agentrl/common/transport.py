@@ -17,7 +17,9 @@ of it. The connecting side logs the refusal and counts it in `num_handshakes_ref
 decides what to do (the actor exits: a refused key is a configuration error, and a sender or
 subscriber left without a connection would wait forever). A handshake cut off midway (a learner
 restart, or a server key that is not the learner's) is counted in `num_handshakes_failed`, and
-ZeroMQ reconnects as usual.
+ZeroMQ reconnects as usual. Keys on one side only usually end as a refusal, but when the learner
+drops the connection before this side has read its greeting, libzmq reports it as a failure
+(timing decides), and the reconnects fail until the keys are mended.
 
 Messages. Group: [b"group", *trajectory.encode_group(group)] (msgpack header + raw numpy frames).
 Ack: [b"ack", group_id utf-8]. Nack: [b"nack", group_id utf-8 (empty when the message named no
@@ -112,7 +114,8 @@ def _note_handshake(owner: GroupSender | VersionSubscriber, event: dict) -> None
         if owner.num_handshakes_failed % 100 == 1:
             log.warning("%s: a handshake with the learner at %s failed (%d so far; ZeroMQ reconnects)%s", who,
                         owner.endpoint, owner.num_handshakes_failed,
-                        ": if it repeats, is curve_server_key the learner's public key?" if curve is not None else "")
+                        ": if it repeats, is curve_server_key the learner's public key?" if curve is not None
+                        else ": if it repeats, does the learner expect CurveZMQ keys? this side has none")
         return
     owner.num_handshakes_refused += 1
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
