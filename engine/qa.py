@@ -45,6 +45,14 @@ the sentence after it (run U, docs/notes/issue-15.md) the SFT policy rose on see
 0.542) but RL then answered the copied sentence's object after one search on every 2-hop question
 (2-hop EM 0.327 -> 0.000), the 1-hop pattern "fact</think><answer>object" taking over.
 
+Decompose (`decompose = true`, needs `plan`): the plan first lists the question as one-hop
+questions, one per search, then the count: `<think>1. who founded Brimbell Optics? 2. which city
+was that person born in? searches: 2</think>` (synthetic tasks carry them, metadata
+`sub_questions`). The count is the length of a list the policy has just written, and the list
+starts with the question's innermost entity, so "Which city was Oska Venn born in?" and "Which
+city was the founder of Brimbell Optics born in?" differ in the first words of the plan, not only
+in one count token. Measured in docs/notes/issue-15.md, section X.
+
 The progress note (`progress_note = true`, needs `plan`): after each search the environment ends
 the tool message with the searches made against the count the policy wrote and what that count
 says to do next ("1 of 2 planned searches done: search for the next entity." or "2 of 2 planned
@@ -137,8 +145,14 @@ EXAMPLE_1HOP: tuple[tuple[str, str], ...] = (
 PLAN_INSTRUCTION = "Before the first search, write how many searches the question needs, as <think>searches: N</think>."
 
 
-def plan_text(num_searches: int) -> str:
-    return f"<think>searches: {num_searches}</think>"
+def plan_text(num_searches: int, steps: list[str] | tuple[str, ...] | None = None) -> str:
+    listed = "".join(f"{i}. {step} " for i, step in enumerate(steps or (), 1))
+    return f"<think>{listed}searches: {num_searches}</think>"
+
+
+# The `decompose` option (QAOptions.decompose): the plan lists the one-hop questions before the count.
+DECOMPOSE_INSTRUCTION = ("Before the first search, write the question as one-hop questions, one per search, and their "
+                         "number, as <think>1. Q1 2. Q2 searches: N</think>.")
 
 
 # The `progress` option (QAOptions.progress): after each result, the searches done against the plan.
@@ -165,6 +179,11 @@ EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: 
 EXAMPLE_FACTS_BY_HOPS: dict[int, tuple[str, ...]] = {
     1: ("The Tessick Lamp is made by Quorran Works.",),
     2: ("Brimbell Optics was founded by Oska Venn in 1987.", "Oska Venn was born in Lorrowby."),
+}
+# The one-hop questions of each worked example's question (the `decompose` option).
+EXAMPLE_STEPS_BY_HOPS: dict[int, tuple[str, ...]] = {
+    1: ("which company makes the Tessick Lamp?",),
+    2: ("who founded Brimbell Optics?", "which city was that person born in?"),
 }
 EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
@@ -214,6 +233,11 @@ class QAOptions:
     """With `progress`: the progress text after a search result first copies the sentence of the
     result that answers the search, then states the count (module docstring: Evidence). Needs
     `progress`."""
+    decompose: bool = False
+    """With `plan`: the plan first lists the question as one-hop questions, one per search, the
+    first naming the question's entity and each later one the entity found before it ("that
+    person"), then the count, `<think>1. who founded X? 2. which city was that person born in?
+    searches: 2</think>` (module docstring: Decompose). Needs `plan`."""
     progress_note: bool = False
     """With `plan`: after each search the environment adds the searches made against the written
     count and the next step that count asks for (module docstring: The progress note). Needs `plan`."""
@@ -231,7 +255,7 @@ class QAOptions:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
             raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
                              f"{self.retrieval_reward} and {self.retrieval_top_k}")
-        for name in ("progress", "progress_note", "keep_plan"):
+        for name in ("progress", "decompose", "progress_note", "keep_plan"):
             if getattr(self, name) and not self.plan:
                 raise ValueError(f"{name} = true needs plan = true (it counts the searches against the plan)")
         if self.evidence and not self.progress:
@@ -251,7 +275,8 @@ class MultiHopQAEnv(ToolEnv):
 
     def intro(self) -> str:
         progress = EVIDENCE_INSTRUCTION if self.options.evidence else PROGRESS_INSTRUCTION
-        return " ".join([INTRO, *([PLAN_INSTRUCTION] if self.options.plan else []),
+        plan = DECOMPOSE_INSTRUCTION if self.options.decompose else PLAN_INSTRUCTION
+        return " ".join([INTRO, *([plan] if self.options.plan else []),
                          *([progress] if self.options.progress else [])])
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
@@ -272,7 +297,8 @@ class MultiHopQAEnv(ToolEnv):
         messages = []
         for h in hops:
             turns = EXAMPLES_BY_HOPS[h]
-            actions = self._with_plan([content for role, content in turns if role == "assistant"], EXAMPLE_FACTS_BY_HOPS[h])
+            actions = self._with_plan([content for role, content in turns if role == "assistant"],
+                                      EXAMPLE_FACTS_BY_HOPS[h], EXAMPLE_STEPS_BY_HOPS[h])
             it = iter(actions)
             searches = len(actions) - 1
             done = 0
@@ -285,13 +311,16 @@ class MultiHopQAEnv(ToolEnv):
                 messages.append((role, content))
         return tuple(messages)
 
-    def _with_plan(self, actions: list[str], facts: list[str] | tuple[str, ...]) -> list[str]:
+    def _with_plan(self, actions: list[str], facts: list[str] | tuple[str, ...],
+                   steps: list[str] | tuple[str, ...]) -> list[str]:
         """A solved episode's actions (one search per hop, then the answer) with the `plan` count
-        before the first and, with `progress`, the searches done before each later one (and, with
-        `evidence`, `facts[i]`: the sentence the i-th search found)."""
+        before the first (with `decompose`, after `steps`: the one-hop questions) and, with
+        `progress`, the searches done before each later one (and, with `evidence`, `facts[i]`: the
+        sentence the i-th search found)."""
         n = len(actions) - 1
         evidence = list(facts) if self.options.evidence else [None] * n
-        return [(plan_text(n) if self.options.plan and i == 0 else "")
+        listed = steps if self.options.decompose else None
+        return [(plan_text(n, listed) if self.options.plan and i == 0 else "")
                 + (progress_text(i, n, evidence[i - 1]) if self.options.progress and i > 0 else "") + a
                 for i, a in enumerate(actions)]
 
@@ -344,11 +373,14 @@ class MultiHopQAEnv(ToolEnv):
         if not queries:
             return None
         facts = task.metadata.get("supporting_facts") or []
-        if self.options.evidence and len(facts) != len(queries):
-            raise ValueError(f"task {task.task_id}: evidence = true needs one supporting fact per gold query "
-                             f"(metadata supporting_facts), got {len(facts)} for {len(queries)} queries")
+        steps = task.metadata.get("sub_questions") or []
+        for option, name, got in (("evidence", "supporting fact", facts), ("decompose", "sub-question", steps)):
+            if getattr(self.options, option) and len(got) != len(queries):
+                raise ValueError(f"task {task.task_id}: {option} = true needs one {name} per gold query (metadata "
+                                 f"{'supporting_facts' if option == 'evidence' else 'sub_questions'}), "
+                                 f"got {len(got)} for {len(queries)} queries")
         return self._with_plan([*(self.parser.format_call("search", {"query": q}) for q in queries),
-                                self.parser.format_answer(answers(task)[0])], facts)
+                                self.parser.format_answer(answers(task)[0])], facts, steps)
 
     async def baselines(self, tasks: list[Task]) -> dict[str, ToolEnv]:
         if "search" not in self.tools:
@@ -366,7 +398,7 @@ def _searches(episode: EpisodeState) -> list:
     return [c for c in episode.calls if c.name == "search"]
 
 
-_PLAN = re.compile(r"<think>searches: (\d+)</think>")
+_PLAN = re.compile(r"<think>(?:\d+\. [^<]*)?searches: (\d+)</think>")  # plan_text, with or without steps
 
 
 

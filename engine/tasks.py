@@ -39,17 +39,19 @@ SPLITS = ("train", "heldout")
 def qa_task(task_id: str, question: str, answers: tuple[str, ...] | list[str], *, num_hops: int = 0, source: str = "synthetic",
             supporting_ids: tuple[str, ...] | list[str] = (), gold_queries: tuple[str, ...] | list[str] = (),
             intermediate_answers: tuple[str, ...] | list[str] = (),
-            supporting_facts: tuple[str, ...] | list[str] = ()) -> Task:
+            supporting_facts: tuple[str, ...] | list[str] = (), sub_questions: tuple[str, ...] | list[str] = ()) -> Task:
     """A question-answering task in the generic layout: prompt = the question, reference = the gold
     answer and its aliases (EM/F1 take the best over them), metadata = the hop count, the source,
     the gold supporting passage ids (in hop order for synthetic tasks), one gold search query per
     hop that retrieves the hop's passage, the bridge entities each hop but the last resolves to,
-    and the sentence of each hop's passage that states the hop's fact (these three for synthetic
-    tasks only: the QA environment's demonstration and failure labels)."""
+    the sentence of each hop's passage that states the hop's fact, and the one-hop question each
+    hop answers, the first naming the question's entity and each later one the entity before it as
+    "that person" etc. (these four for synthetic tasks only: the QA environment's demonstration and
+    failure labels)."""
     return Task(task_id, prompt=question, reference=list(answers),
                 metadata={"num_hops": num_hops, "source": source, "supporting_ids": list(supporting_ids),
                           "gold_queries": list(gold_queries), "intermediate_answers": list(intermediate_answers),
-                          "supporting_facts": list(supporting_facts)})
+                          "supporting_facts": list(supporting_facts), "sub_questions": list(sub_questions)})
 
 
 @dataclass
@@ -228,7 +230,7 @@ class SyntheticWorld:
 
     def _compose(self, start: str, chain: tuple[str, ...]) -> Task | None:
         entity, description = start, (f"the {start}" if chain[0] == "made_by" else start)
-        passage_ids, queries, bridges, sentences = [], [], [], []
+        passage_ids, queries, bridges, sentences, steps = [], [], [], [], []
         for i, relation in enumerate(chain):
             fact = self._facts.get((relation, entity))
             if fact is None:
@@ -236,6 +238,7 @@ class SyntheticWorld:
             passage_ids.append(fact.passage_id)
             sentences.append(fact.sentence)
             queries.append(_QUERY[relation].format(x=entity))
+            steps.append(_QUESTION[relation].format(x=description if i == 0 else f"that {_SUBJECT[relation]}"))
             if i == len(chain) - 1:
                 question = _QUESTION[relation].format(x=description)
             else:
@@ -246,7 +249,7 @@ class SyntheticWorld:
         task_id = f"syn{self.config.seed}-{len(chain)}h-{'.'.join(r[0] for r in chain)}-{_slug(start)}"
         return qa_task(task_id, question, [entity], num_hops=len(chain), source="synthetic",
                        supporting_ids=passage_ids, gold_queries=queries, intermediate_answers=bridges,
-                       supporting_facts=sentences)
+                       supporting_facts=sentences, sub_questions=steps)
 
 
 # Relation chains by hop count; each ends at an entity with a short name.
@@ -268,6 +271,8 @@ _QUESTION = {
     "born_in": "which city was {x} born in?",
     "located_in": "in which country is {x}?",
 }
+# What each relation's subject is, for a step that names the entity found before it ("that person").
+_SUBJECT = {"made_by": "product", "founded_by": "company", "born_in": "person", "located_in": "city"}
 _QUERY = {
     "made_by": "who makes {x}",
     "founded_by": "founder of {x}",

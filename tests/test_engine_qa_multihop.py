@@ -341,6 +341,51 @@ async def test_evidence_option_copies_the_fact_each_search_found(chat, world_tas
         env.demonstration(bare)
 
 
+async def test_decompose_option_lists_the_one_hop_questions_before_the_count(chat, world_tasks):
+    world, tasks = world_tasks
+    env = make_env(chat, world, plan=True, progress=True, evidence=True, decompose=True, worked_examples=[1, 2])
+    counted = make_env(chat, world, plan=True, progress=True, evidence=True, worked_examples=[1, 2])
+    # Every chain of the world: the first step names the question's entity, each later one the
+    # entity found before it; a 1-hop question is its own single step.
+    _, all_tasks = synthetic_tasks(split="heldout", num=108, hops=(1, 2, 3), config=SyntheticQAConfig(num_companies=60))
+    kinds = {}
+    for task in all_tasks:
+        steps, hops = task.metadata["sub_questions"], task.metadata["num_hops"]
+        assert len(steps) == hops == len(task.metadata["gold_queries"])
+        kinds[task.task_id.split("-")[2]] = (task.prompt, steps)
+        if hops == 1:
+            assert steps[0][0].upper() + steps[0][1:] == task.prompt
+        assert " that " not in steps[0] and all(" that " in step for step in steps[1:]), steps
+    assert set(kinds) == {"m", "f", "b", "l", "m.f", "f.b", "b.l", "m.f.b", "f.b.l"}
+    prompt, steps = kinds["f.b"]
+    founder_of = prompt.split("the founder of ")[1].removesuffix(" born in?")
+    assert steps == [f"who founded {founder_of}?", "which city was that person born in?"]
+    assert kinds["b.l"][1][1] == "in which country is that city?" and kinds["m.f"][1][1] == "who founded that company?"
+    # The plan lists them, numbered, then the count; the rest of each action is unchanged.
+    two = two_hop(tasks)
+    one = next(t for t in tasks if t.metadata["num_hops"] == 1)
+    s1, s2 = two.metadata["sub_questions"]
+    actions, plain = env.demonstration(two), counted.demonstration(two)
+    assert actions[0] == f"<think>1. {s1} 2. {s2} searches: 2</think>" + plain[0].removeprefix("<think>searches: 2</think>")
+    assert actions[1:] == plain[1:]
+    assert env.demonstration(one)[0].startswith(f"<think>1. {one.metadata['sub_questions'][0]} searches: 1</think><tool_call>")
+    # The count is still read from the plan (the progress note counts against it).
+    noted = make_env(chat, world, plan=True, decompose=True, progress_note=True)
+    traj = await play(noted, two, [f"<think>1. {s1} searches: 1</think>" + search(two.metadata["gold_queries"][0]),
+                                   answer("Nowhere")])
+    assert "1 of 1 planned searches done: answer now." in chat.decode(traj.token_ids)
+    # The worked examples are decomposed too, and the instructions ask for it.
+    text = chat.decode(env.reset(two).token_ids)
+    assert "<think>1. which company makes the Tessick Lamp? searches: 1</think>" in text
+    assert "<think>1. who founded Brimbell Optics? 2. which city was that person born in? searches: 2</think>" in text
+    assert "one-hop questions" in env.system_prompt and "one-hop questions" not in counted.system_prompt
+    with pytest.raises(ValueError, match="needs plan"):
+        QAOptions(decompose=True)
+    bare = dataclasses.replace(two, metadata={**two.metadata, "sub_questions": [s1]})
+    with pytest.raises(ValueError, match="one sub-question per gold query"):
+        env.demonstration(bare)
+
+
 async def test_keep_plan_holds_the_policy_to_the_count_it_wrote(chat, world_tasks):
     world, tasks = world_tasks
     env = make_env(chat, world, plan=True, progress=True, keep_plan=True)
