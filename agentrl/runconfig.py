@@ -46,7 +46,7 @@ from agentrl.learner.config import LearnerConfig
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
 
 SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "group_endpoint", "version_endpoint",
-                           "init_checkpoint", "seed", "progress_bar")
+                           "init_checkpoint", "seed", "progress_bar", "anchor_dir")
 """LearnerConfig fields `agentrl train` fills in per phase; a config that sets them is refused."""
 CURVE_LEARNER_KEYS = ("curve_secret_key_file", "curve_authorized_clients_dir")
 """LearnerConfig fields a run takes from [learner] only (agentrl/train.py `_learner_curve`)."""
@@ -256,6 +256,9 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         except ConfigError as err:
             text = str(err)
             problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools", "agent.")) else text)
+    if config.learner.anchor_coef > 0 and not config.sft.enabled:
+        problems.append(f"{at('learner', 'anchor_coef')}: the anchor trains on the SFT cold start's demonstrations; "
+                        "it needs sft.enabled = true")
     if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:
@@ -264,13 +267,14 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
 
 def sft_learner_overrides(sft) -> dict:
     """What the SFT phase's learner changes on `[learner]`: `[sft.learner]`, the step count, and,
-    unless `[sft.learner]` names them, temperature 1.0 and no KL reference. Both are RL's:
+    unless `[sft.learner]` names them, temperature 1.0, no KL reference and no demonstration anchor
+    (the SFT loss is the demonstrations' likelihood already). The first two are RL's:
     `learner.trainer.temperature` is the sampling temperature the behaviour log-probs were computed
     at (demonstrations have none; training their likelihood at 0.7 instead of 1.0 cost the default's
     SFT checkpoint 0.677 -> 0.469 held-out EM, every 2-hop question answered after one search;
     docs/notes/issue-15.md, run Q), and the SFT loss has no KL term, so a reference copy would only
     cost memory and loading time."""
-    rl_only = {"kl_reference": False, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
+    rl_only = {"kl_reference": False, "anchor_coef": 0.0, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
     return layer(layer(rl_only, sft.learner),
                  {"max_steps": sft.steps, "publish_every": sft.steps, "checkpoint_every": sft.steps})
 

@@ -68,6 +68,8 @@ from agentrl.runconfig import (
     sft_learner_overrides,
 )
 
+ANCHOR_DIR = "rl-anchor"
+"""Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor_coef > 0)."""
 RUN_CLIENT = "agentrl-run"
 """Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
 
@@ -379,6 +381,13 @@ class Supervisor:
             return
         self._phase("sft")
         self.say(f"SFT cold start on {len(gold)} demonstrations from {source}")
+        if cfg.learner.anchor_coef > 0:  # the RL learner's demonstration anchor (learner/anchor.py) trains on them too
+            from agentrl.learner.ledger import Spool
+
+            anchor = Spool(self.out / ANCHOR_DIR)
+            for i, traj in enumerate(gold):
+                if f"anchor-{i}" not in anchor:
+                    anchor.put(TrajectoryGroup(f"anchor-{i}", traj.task_id, [dataclasses.replace(traj, group_id=f"anchor-{i}")]))
         overrides = sft_learner_overrides(cfg.sft)
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
@@ -432,6 +441,12 @@ class Supervisor:
         overrides: dict = {}
         if cfg.sft.enabled and not self.phases.get("sft", {}).get("skipped"):
             overrides["init_checkpoint"] = str(self.out / "sft" / "checkpoints")
+        if cfg.learner.anchor_coef > 0:
+            if not (self.out / ANCHOR_DIR).is_dir():
+                raise RuntimeError(f"learner.anchor_coef = {cfg.learner.anchor_coef} trains on the SFT cold start's "
+                                   f"demonstrations, and this run has none ({self.phases.get('sft')}); set "
+                                   "learner.anchor_coef = 0")
+            overrides["anchor_dir"] = str(self.out / ANCHOR_DIR)
         config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)
         self._phase("rl")

@@ -76,6 +76,14 @@ class LearnerConfig:
     kl_reference: bool = False
     """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0):
     those of `init_checkpoint` when it is set (the policy RL starts from), else `model_dir`'s."""
+    anchor_coef: float = 0.0
+    """Weight of the demonstration anchor in each RL step: the mean NLL of gold demonstrations'
+    action tokens, added to the policy-gradient loss (learner/anchor.py); 0 = none. Needs
+    anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
+    anchor_dir: str | None = None
+    """A spool folder of demonstration groups for the anchor (learner/anchor.py)."""
+    anchor_tokens_per_step: int = 1024
+    """Tokens of demonstrations (whole trajectories, at least one) the anchor adds to each RL step."""
     seed: int = 0
     """Seed of torch, numpy and Python's generators at start (checkpoints carry their states)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -115,6 +123,11 @@ class LearnerConfig:
             raise ValueError(f"kv_refresh_every={self.kv_refresh_every} must be >= 1 (1 = drop the servers' KV on every push)")
         if self.mode not in ("rl", "sft"):
             raise ValueError(f"mode={self.mode!r}: choose 'rl' or 'sft'")
+        if not self.anchor_coef >= 0 or self.anchor_tokens_per_step < 1:
+            raise ValueError(f"anchor_coef={self.anchor_coef} must be >= 0 and anchor_tokens_per_step="
+                             f"{self.anchor_tokens_per_step} >= 1")
+        if self.anchor_coef > 0 and self.mode == "sft":
+            raise ValueError("anchor_coef > 0 is for mode = 'rl' (the SFT loss is the demonstrations' NLL already)")
         if self.trainer.loss.kl_coef > 0 and not self.kl_reference:
             raise ValueError("trainer.loss.kl_coef > 0 needs kl_reference = true")
         if not self.dist_timeout_s > 0:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from agentrl.learner.anchor import Anchor
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches
 from agentrl.learner.checkpoint import (
     load_latest_checkpoint,
@@ -124,6 +125,9 @@ class Solo:
 
     def build(self) -> None:
         self.trainer, self.model = build_trainer(self.config, self.device, shard=False)
+        cfg = self.config
+        self.anchor = (Anchor.from_dir(cfg.anchor_dir, vocab_size=self.vocab_size, tokens_per_step=cfg.anchor_tokens_per_step,
+                                       seed=cfg.seed) if cfg.anchor_coef > 0 else None)
 
     @property
     def vocab_size(self) -> int:
@@ -155,14 +159,19 @@ class Solo:
 
     @on_device  # runs on a worker thread (on_device's docstring)
     def step(self, samples: list[Sample], weights: RewardWeights) -> tuple[StepStats, int]:
-        """One optimizer step on `samples`; (stats, micro-batches)."""
-        return self.train_micro_batches(build_micro_batches(samples, self.config.trainer.max_row_tokens))
+        """One optimizer step on `samples` (and the anchor's demonstrations); (stats, micro-batches)."""
+        max_row_tokens = self.config.trainer.max_row_tokens
+        anchor = build_micro_batches(self.anchor.next_samples(), max_row_tokens) if self.anchor is not None else []
+        return self.train_micro_batches(build_micro_batches(samples, max_row_tokens), anchor)
 
     @on_device
-    def train_micro_batches(self, micro_batches) -> tuple[StepStats, int]:
+    def train_micro_batches(self, micro_batches, anchor=()) -> tuple[StepStats, int]:
         """One optimizer step on this rank's micro-batches (collective under torchrun)."""
         trainer = self.trainer
-        stats = trainer.sft_step(micro_batches) if self.config.mode == "sft" else trainer.rl_step(micro_batches)
+        if self.config.mode == "sft":
+            stats = trainer.sft_step(micro_batches)
+        else:
+            stats = trainer.rl_step(micro_batches, anchor=anchor, anchor_coef=self.config.anchor_coef)
         return stats, len(micro_batches)
 
     @on_device
@@ -197,7 +206,11 @@ class Leader(Solo):
         self.heartbeat_s = config.dist_timeout_s / 4
 
     def build(self) -> None:
+        if self.config.anchor_coef > 0:
+            raise ValueError("anchor_coef > 0 runs in one learner process; under torchrun the ranks do not share "
+                             "the anchor's demonstrations yet")
         self.trainer, self.model = build_trainer(self.config, self.device, shard=True)
+        self.anchor = None
 
     def restore(self, checkpoints: Path) -> Restored:
         return restore_collective(self, checkpoints)

@@ -86,6 +86,9 @@ def check_runnable(config: LearnerConfig, where: str = "learner config") -> None
     supervisor fills in (`agentrl train` does; a hand-written config must)."""
     if not config.output_dir:
         raise ConfigError(f"{where}: output_dir: required (the folder for checkpoints, spool and metrics)")
+    if config.anchor_coef > 0 and not config.anchor_dir:
+        raise ConfigError(f"{where}: anchor_coef > 0 needs anchor_dir (a spool folder of demonstration groups; "
+                          "agentrl train fills it from the SFT cold start)")
     if config.publish_every and not config.server_urls:
         raise ConfigError(f"{where}: publish_every > 0 needs server_urls (the vLLM servers to push to); "
                           "or set publish_every = 0")

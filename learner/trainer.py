@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -250,8 +251,11 @@ class Trainer:
         return torch.from_numpy(adv_N).to(values_N.device), torch.from_numpy(ret_N).to(values_N.device)
 
     @on_device
-    def rl_step(self, micro_batches: list[MicroBatch]) -> StepStats:
+    def rl_step(self, micro_batches: list[MicroBatch], anchor: Sequence[MicroBatch] = (),
+                anchor_coef: float = 0.0) -> StepStats:
         """Accumulate the decoupled-PPO gradient over the micro-batches, then one optimizer step.
+        With `anchor` (gold demonstrations, learner/anchor.py), `anchor_coef` x their mean NLL over
+        action tokens is added to the loss before the step.
 
         Advantages arrive precomputed in the micro-batches, except with the 'gae' estimator, which
         computes them here from the critic's values and the samples' weighted token rewards. Under
@@ -307,6 +311,17 @@ class Trainer:
             delta_N = logprobs_N.detach() - mb.behavior_logprobs_N
             kl_behavior = float((torch.expm1(delta_N) - delta_N).mean()) if mb.num_action_tokens else 0.0
             stats_sum["kl_behavior_proximal"] = stats_sum.get("kl_behavior_proximal", 0.0) + kl_behavior * token_share
+        anchor_tokens = sum(mb.num_action_tokens for mb in anchor)
+        if anchor_tokens:
+            if world != 1:
+                raise ValueError("the demonstration anchor runs in one learner process (learner/anchor.py)")
+            nll_sum = 0.0
+            for mb in anchor:
+                logprobs_N, _, _ = self._forward(mb.to(self.device), with_entropy=False)
+                nll = -logprobs_N.sum() / anchor_tokens
+                (anchor_coef * nll).backward()
+                nll_sum += float(nll.detach())
+            stats_sum["anchor_nll"] = nll_sum
         grad_norm, stepped = self._clip_and_step()
         loss_sum, *stat_values = _global_sum(loss_sum, *stats_sum.values())
         return StepStats(
