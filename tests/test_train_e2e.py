@@ -60,6 +60,8 @@ tokens_per_step = 2048
 tokens_per_step = 2048
 checkpoint_every = 1
 staleness_bound = 8
+anchor_coef = 0.1  # the SFT demonstrations trained beside each RL step, through the learner's restart
+anchor_tokens_per_step = 512
 [learner.trainer]
 train_layers = 1
 train_embeddings = false
@@ -162,6 +164,9 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
         if step <= final_step:
             seen += record.get("group_ids", [])
     assert len(seen) == len(set(seen)), "a group was trained at two steps"
+    # The demonstration anchor: the cold start's demonstrations, in every RL step of both learners.
+    assert len(list((out / "rl-anchor").glob("*.grp"))) == 16
+    assert all(0 < r["loss/anchor_nll"] < 20 for r in _metric_lines(out / "rl" / "metrics.jsonl") if "loss" in r)
     assert set(seen) == set(state["ledger"]["trained"])
     assert all(state["ledger"]["trained"][gid] <= final_step for gid in seen)
     # The servers serve what the learner trained (a version of the RL lineage).
