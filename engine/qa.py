@@ -51,7 +51,9 @@ was that person born in? searches: 2</think>` (synthetic tasks carry them, metad
 `sub_questions`). The count is the length of a list the policy has just written, and the list
 starts with the question's innermost entity, so "Which city was Oska Venn born in?" and "Which
 city was the founder of Brimbell Optics born in?" differ in the first words of the plan, not only
-in one count token. Measured in docs/notes/issue-15.md, section X.
+in one count token. Measured (run X, docs/notes/issue-15.md; off by default): on seed 0 RL kept the
+1-hop plans, but then planned 12 2-hop questions as one step copying the whole question (a 1-hop
+plan is the question copied), 2-hop EM 0.583 -> 0.444.
 
 The progress note (`progress_note = true`, needs `plan`): after each search the environment ends
 the tool message with the searches made against the count the policy wrote and what that count
