@@ -258,7 +258,7 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
             problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools", "agent.")) else text)
     if config.learner.anchor_coef > 0 and not config.sft.enabled:
         problems.append(f"{at('learner', 'anchor_coef')}: the anchor trains on the SFT cold start's demonstrations; "
-                        "it needs sft.enabled = true")
+                        "it needs sft.enabled = true, or set learner.anchor_coef = 0")
     if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:

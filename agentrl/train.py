@@ -78,6 +78,13 @@ def _agentrl(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "agentrl.cli", *args]
 
 
+def _single_group(group_id: str, traj):
+    """A group of one trajectory (an SFT or anchor demonstration) under `group_id`."""
+    from agentrl.common.trajectory import TrajectoryGroup
+
+    return TrajectoryGroup(group_id, traj.task_id, [dataclasses.replace(traj, group_id=group_id)])
+
+
 def _free_endpoint() -> str:
     from agentrl.engine.serve import free_port
 
@@ -360,34 +367,19 @@ class Supervisor:
 
     async def _sft_phase(self) -> None:
         from agentrl.common.curve import load_client_keys
-        from agentrl.common.trajectory import TrajectoryGroup
         from agentrl.common.transport import GroupSender
-        from agentrl.engine.demonstrations import read_demonstrations
-        from agentrl.engine.episode import build_demonstration
 
         cfg = self.config
-        env = self.conn.env
-        if cfg.sft.demonstrations:
-            gold = await read_demonstrations(env, cfg.sft.demonstrations)
-            source = cfg.sft.demonstrations
-        else:
-            gold = [g for t in self.taskset.demonstration_tasks(cfg.sft.num_examples)
-                    if (g := await build_demonstration(env, t)) is not None]
-            source = f"{type(env).__name__}.demonstration"
+        gold, source = await self._demonstrations()
         if not gold:
-            self.say(f"SFT cold start skipped: no demonstrations (no [sft] demonstrations file, and "
-                     f"{type(env).__name__}.demonstration gives none for these tasks)")
+            self.say(f"SFT cold start skipped: no demonstrations ({source})")
+            if cfg.learner.anchor_coef > 0:
+                raise RuntimeError(f"learner.anchor_coef = {cfg.learner.anchor_coef}: the demonstration anchor trains on "
+                                   f"the SFT demonstrations, and this run has none ({source}); set learner.anchor_coef = 0")
             self._phase_done("sft", {"skipped": "no demonstrations"})
             return
         self._phase("sft")
         self.say(f"SFT cold start on {len(gold)} demonstrations from {source}")
-        if cfg.learner.anchor_coef > 0:  # the RL learner's demonstration anchor (learner/anchor.py) trains on them too
-            from agentrl.learner.ledger import Spool
-
-            anchor = Spool(self.out / ANCHOR_DIR)
-            for i, traj in enumerate(gold):
-                if f"anchor-{i}" not in anchor:
-                    anchor.put(TrajectoryGroup(f"anchor-{i}", traj.task_id, [dataclasses.replace(traj, group_id=f"anchor-{i}")]))
         overrides = sft_learner_overrides(cfg.sft)
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
@@ -404,8 +396,7 @@ class Supervisor:
                 for i, traj in enumerate(gold):
                     if learner.poll() is not None or time_limited:
                         break
-                    gid = f"sft-{epoch}-{i}"
-                    group = TrajectoryGroup(gid, traj.task_id, [dataclasses.replace(traj, group_id=gid)])
+                    group = _single_group(f"sft-{epoch}-{i}", traj)
                     send = asyncio.ensure_future(sender.send(group))
                     while not send.done():
                         await asyncio.wait([send], timeout=1.0)
@@ -436,17 +427,49 @@ class Supervisor:
         self._phase_done("sft", {**summary, "sft_s": time.perf_counter() - t0, "steps": cfg.sft.steps,
                                  "steps_done": steps_done, "time_limited": time_limited, "epochs_streamed": epoch})
 
+    async def _demonstrations(self) -> tuple[list, str]:
+        """The SFT demonstrations (the `[sft] demonstrations` file's, else the environment's for
+        `sft.num_examples` tasks; deterministic) and where they come from."""
+        from agentrl.engine.demonstrations import read_demonstrations
+        from agentrl.engine.episode import build_demonstration
+
+        cfg, env = self.config, self.conn.env
+        if cfg.sft.demonstrations:
+            return await read_demonstrations(env, cfg.sft.demonstrations), cfg.sft.demonstrations
+        gold = [g for t in self.taskset.demonstration_tasks(cfg.sft.num_examples)
+                if (g := await build_demonstration(env, t)) is not None]
+        return gold, (f"{type(env).__name__}.demonstration" if gold else
+                      f"no [sft] demonstrations file, and {type(env).__name__}.demonstration gives none for these tasks")
+
+    async def _write_anchor(self) -> Path:
+        """RUN/rl-anchor: the SFT demonstrations as a spool of one-trajectory groups, for the RL
+        learner's demonstration anchor (learner/anchor.py). Written once; a run resumed, or an RL
+        phase started from another run's SFT checkpoint (scripts/rl_from_sft.sh), writes it then."""
+        from agentrl.learner.ledger import Spool
+
+        path = self.out / ANCHOR_DIR
+        if path.is_dir() and any(path.glob("*.grp")):
+            return path
+        gold, source = await self._demonstrations()
+        if not gold:
+            raise RuntimeError(f"learner.anchor_coef = {self.config.learner.anchor_coef}: the demonstration anchor trains "
+                               f"on the SFT demonstrations, and this run has none ({source}); set learner.anchor_coef = 0")
+        partial = path.with_name(path.name + ".partial")
+        if partial.exists():  # a run stopped while writing it
+            shutil.rmtree(partial)
+        spool = Spool(partial)
+        for i, traj in enumerate(gold):
+            spool.put(_single_group(f"anchor-{i}", traj))
+        spool.dir.rename(path)
+        return path
+
     async def _rl_phase(self) -> None:
         cfg = self.config
         overrides: dict = {}
         if cfg.sft.enabled and not self.phases.get("sft", {}).get("skipped"):
             overrides["init_checkpoint"] = str(self.out / "sft" / "checkpoints")
         if cfg.learner.anchor_coef > 0:
-            if not (self.out / ANCHOR_DIR).is_dir():
-                raise RuntimeError(f"learner.anchor_coef = {cfg.learner.anchor_coef} trains on the SFT cold start's "
-                                   f"demonstrations, and this run has none ({self.phases.get('sft')}); set "
-                                   "learner.anchor_coef = 0")
-            overrides["anchor_dir"] = str(self.out / ANCHOR_DIR)
+            overrides["anchor_dir"] = str(await self._write_anchor())
         config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)
         self._phase("rl")

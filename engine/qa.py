@@ -376,11 +376,11 @@ class MultiHopQAEnv(ToolEnv):
             return None
         facts = task.metadata.get("supporting_facts") or []
         steps = task.metadata.get("sub_questions") or []
-        for option, name, got in (("evidence", "supporting fact", facts), ("decompose", "sub-question", steps)):
+        for option, name, key, got in (("evidence", "supporting fact", "supporting_facts", facts),
+                                       ("decompose", "sub-question", "sub_questions", steps)):
             if getattr(self.options, option) and len(got) != len(queries):
                 raise ValueError(f"task {task.task_id}: {option} = true needs one {name} per gold query (metadata "
-                                 f"{'supporting_facts' if option == 'evidence' else 'sub_questions'}), "
-                                 f"got {len(got)} for {len(queries)} queries")
+                                 f"{key}), got {len(got)} for {len(queries)} queries")
         return self._with_plan([*(self.parser.format_call("search", {"query": q}) for q in queries),
                                 self.parser.format_answer(answers(task)[0])], facts, steps)
 

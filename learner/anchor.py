@@ -5,7 +5,10 @@ With `anchor_coef` > 0 (LearnerConfig) every RL optimizer step adds, to the poli
 (about `anchor_tokens_per_step` tokens, whole trajectories), read from `anchor_dir`: a spool folder
 of demonstration groups (`agentrl train` writes the SFT cold start's there). The demonstrations are
 taken in a seeded shuffled order and cycled, each once per pass (a step ends with its pass); a
-restarted learner starts the order again.
+learner that resumes at step k takes a new order seeded by (seed, k), so a restart does not repeat
+the first steps' demonstrations. The likelihood is the policy's at `trainer.temperature`, the
+sampling temperature the RL loss uses too (the logits are divided by it in the one forward): the
+anchor holds the distribution the actor samples from, and run Y measured it so.
 
 Why: GRPO trains only on groups whose rewards differ, so questions the policy already answers right
 carry no gradient, and updates from the questions it is still learning move them too (run V,
@@ -33,7 +36,12 @@ class Anchor:
             raise ValueError(f"anchor tokens_per_step={tokens_per_step} must be >= 1")
         self.samples = samples
         self.tokens_per_step = tokens_per_step
-        self._rng = random.Random(seed)
+        self.seed = seed
+        self.restart(0)
+
+    def restart(self, step: int) -> None:
+        """Begin a new order, seeded by (seed, `step`): the learner's step at start or resume."""
+        self._rng = random.Random(f"{self.seed}-{step}")
         self._order: list[int] = []
 
     @classmethod

@@ -78,8 +78,8 @@ class LearnerConfig:
     those of `init_checkpoint` when it is set (the policy RL starts from), else `model_dir`'s."""
     anchor_coef: float = 0.0
     """Weight of the demonstration anchor in each RL step: the mean NLL of gold demonstrations'
-    action tokens, added to the policy-gradient loss (learner/anchor.py); 0 = none. Needs
-    anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
+    action tokens (at trainer.temperature), added to the policy-gradient loss (learner/anchor.py);
+    0 = none. Needs anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
     anchor_dir: str | None = None
     """A spool folder of demonstration groups for the anchor (learner/anchor.py)."""
     anchor_tokens_per_step: int = 1024

@@ -138,6 +138,12 @@ class Solo:
         return {k for k in self.trainer.policy.state_dict() if not k.startswith("value_head.")}
 
     def restore(self, checkpoints: Path) -> Restored:
+        restored = self._restore(checkpoints)
+        if self.anchor is not None:  # a restarted learner takes a new order, not the first steps' again
+            self.anchor.restart(restored.step)
+        return restored
+
+    def _restore(self, checkpoints: Path) -> Restored:
         state = load_latest_checkpoint(checkpoints)
         if state is None:
             init = self.config.init_checkpoint
@@ -206,7 +212,7 @@ class Leader(Solo):
         self.heartbeat_s = config.dist_timeout_s / 4
 
     def build(self) -> None:
-        if self.config.anchor_coef > 0:
+        if self.config.anchor_coef > 0:  # service.main refuses it before the ranks start; this guards direct use
             raise ValueError("anchor_coef > 0 runs in one learner process; under torchrun the ranks do not share "
                              "the anchor's demonstrations yet")
         self.trainer, self.model = build_trainer(self.config, self.device, shard=True)

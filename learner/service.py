@@ -288,6 +288,9 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(args.config)
         check_runnable(config, str(args.config))
+        if launched_world_size() > 1 and config.anchor_coef > 0:
+            raise ConfigError(f"{args.config}: anchor_coef > 0 runs in one learner process; under torchrun the ranks do "
+                              "not share the anchor's demonstrations yet (set anchor_coef = 0)")
         device = resolve_device(config.device)
     except (ConfigError, RuntimeError) as err:
         print(f"agentrl learner: bad config: {err}", file=sys.stderr)

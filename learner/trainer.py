@@ -255,7 +255,8 @@ class Trainer:
                 anchor_coef: float = 0.0) -> StepStats:
         """Accumulate the decoupled-PPO gradient over the micro-batches, then one optimizer step.
         With `anchor` (gold demonstrations, learner/anchor.py), `anchor_coef` x their mean NLL over
-        action tokens is added to the loss before the step.
+        action tokens (at `temperature`, like the rest of the step) is added to the loss before the
+        step; the stats' `loss` is the policy-gradient part, the anchor's NLL is `anchor_nll`.
 
         Advantages arrive precomputed in the micro-batches, except with the 'gae' estimator, which
         computes them here from the critic's values and the samples' weighted token rewards. Under
@@ -269,6 +270,8 @@ class Trainer:
             sum(mb.num_action_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches))
         if total_tokens == 0:
             raise ValueError("batch has no action tokens to train on")
+        if anchor and world != 1:
+            raise ValueError("the demonstration anchor runs in one learner process (learner/anchor.py)")
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
@@ -313,8 +316,6 @@ class Trainer:
             stats_sum["kl_behavior_proximal"] = stats_sum.get("kl_behavior_proximal", 0.0) + kl_behavior * token_share
         anchor_tokens = sum(mb.num_action_tokens for mb in anchor)
         if anchor_tokens:
-            if world != 1:
-                raise ValueError("the demonstration anchor runs in one learner process (learner/anchor.py)")
             nll_sum = 0.0
             for mb in anchor:
                 logprobs_N, _, _ = self._forward(mb.to(self.device), with_entropy=False)

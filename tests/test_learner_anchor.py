@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from support.synthetic import make_group, tiny_llama
 
 from agentrl.common.config import ConfigError
+from agentrl.common.trajectory import GroupRejected
 from agentrl.learner.advantages import AdvantageConfig, compute_advantages
 from agentrl.learner.anchor import Anchor
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches
@@ -98,7 +98,7 @@ def test_anchor_reads_a_spool_folder_through_the_receivers_checks(tmp_path):
         spool.put(make_group(f"anchor-{i}", [1.0], turns=[(4, 2), (3, 0)], vocab_size=VOCAB, seed=i))
     anchor = Anchor.from_dir(tmp_path / "anchor", vocab_size=VOCAB, tokens_per_step=10_000)
     assert sorted(s.group_id for s in anchor.next_samples()) == ["anchor-0", "anchor-1", "anchor-2"]
-    with pytest.raises(Exception, match="vocab"):  # token ids past the policy's vocabulary are refused
+    with pytest.raises(GroupRejected, match="vocab"):  # token ids past the policy's vocabulary are refused
         Anchor.from_dir(tmp_path / "anchor", vocab_size=8, tokens_per_step=10_000)
     with pytest.raises(FileNotFoundError, match="no such folder"):
         Anchor.from_dir(tmp_path / "missing", vocab_size=VOCAB, tokens_per_step=100)
@@ -122,7 +122,16 @@ def test_anchor_config_rules(tmp_path):
     assert load_run_config(sets=["learner.anchor_coef=0.1"]).config.learner.anchor_coef == 0.1
 
 
-def test_anchor_demos_are_whole_trajectories_with_their_action_mask():
-    [demo] = _demos(1)
-    [mb] = build_micro_batches([demo], 4096)
-    assert mb.num_action_tokens == int(np.asarray(demo.trajectory.is_action).sum()) == 11
+def test_anchor_skips_demonstrations_without_action_tokens_and_a_restart_takes_a_new_order(tmp_path):
+    spool = Spool(tmp_path / "anchor")
+    for i in range(6):
+        spool.put(make_group(f"anchor-{i}", [1.0], turns=[(4, 2), (3, 0)], vocab_size=VOCAB, seed=i))
+    spool.put(make_group("observation-only", [1.0], turns=[(0, 5)], vocab_size=VOCAB, seed=9))
+    anchor = Anchor.from_dir(tmp_path / "anchor", vocab_size=VOCAB, tokens_per_step=1)
+    assert len(anchor.samples) == 6 and "observation-only" not in {s.group_id for s in anchor.samples}
+    first = [anchor.next_samples()[0].group_id for _ in range(6)]
+    anchor.restart(0)
+    assert [anchor.next_samples()[0].group_id for _ in range(6)] == first  # the same step: the same order
+    anchor.restart(40)  # resumed at step 40: another order of the same demonstrations
+    resumed = [anchor.next_samples()[0].group_id for _ in range(6)]
+    assert sorted(resumed) == sorted(first) and resumed != first
