@@ -48,6 +48,10 @@ staleness_bound = 8
 train_layers = 1
 train_embeddings = false
 max_row_tokens = 2048
+# No SFT: the untrained model seldom calls a tool, so nearly every group has equal rewards, and
+# dynamic sampling could drop them all and leave no step to test (one run dropped all 79 groups).
+[learner.trainer.advantage]
+dynamic_sampling = false
 [eval]
 every_s = 100000.0
 baselines = false
