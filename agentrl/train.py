@@ -373,13 +373,14 @@ class Supervisor:
         gold, source = await self._demonstrations()
         if not gold:
             self.say(f"SFT cold start skipped: no demonstrations ({source})")
-            if cfg.learner.anchor_coef > 0:
-                raise RuntimeError(f"learner.anchor_coef = {cfg.learner.anchor_coef}: the demonstration anchor trains on "
-                                   f"the SFT demonstrations, and this run has none ({source}); set learner.anchor_coef = 0")
+            if cfg.learner.anchor_coef > 0:  # refused now rather than at the RL phase's start
+                await self._write_anchor(gold, source)
             self._phase_done("sft", {"skipped": "no demonstrations"})
             return
         self._phase("sft")
         self.say(f"SFT cold start on {len(gold)} demonstrations from {source}")
+        if cfg.learner.anchor_coef > 0:
+            await self._write_anchor(gold, source)
         overrides = sft_learner_overrides(cfg.sft)
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
@@ -441,16 +442,18 @@ class Supervisor:
         return gold, (f"{type(env).__name__}.demonstration" if gold else
                       f"no [sft] demonstrations file, and {type(env).__name__}.demonstration gives none for these tasks")
 
-    async def _write_anchor(self) -> Path:
-        """RUN/rl-anchor: the SFT demonstrations as a spool of one-trajectory groups, for the RL
-        learner's demonstration anchor (learner/anchor.py). Written once; a run resumed, or an RL
-        phase started from another run's SFT checkpoint (scripts/rl_from_sft.sh), writes it then."""
+    async def _write_anchor(self, gold: list | None = None, source: str = "") -> Path:
+        """RUN/rl-anchor: the SFT demonstrations (`gold`, as the SFT phase built them) as a spool of
+        one-trajectory groups, for the RL learner's demonstration anchor (learner/anchor.py).
+        Written once, by the SFT phase; an RL phase that finds none (a run resumed after its SFT,
+        or started from another run's SFT checkpoint: scripts/rl_from_sft.sh) builds them then."""
         from agentrl.learner.ledger import Spool
 
         path = self.out / ANCHOR_DIR
         if path.is_dir() and any(path.glob("*.grp")):
             return path
-        gold, source = await self._demonstrations()
+        if gold is None:
+            gold, source = await self._demonstrations()
         if not gold:
             raise RuntimeError(f"learner.anchor_coef = {self.config.learner.anchor_coef}: the demonstration anchor trains "
                                f"on the SFT demonstrations, and this run has none ({source}); set learner.anchor_coef = 0")

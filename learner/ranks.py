@@ -212,11 +212,8 @@ class Leader(Solo):
         self.heartbeat_s = config.dist_timeout_s / 4
 
     def build(self) -> None:
-        if self.config.anchor_coef > 0:  # service.main refuses it before the ranks start; this guards direct use
-            raise ValueError("anchor_coef > 0 runs in one learner process; under torchrun the ranks do not share "
-                             "the anchor's demonstrations yet")
         self.trainer, self.model = build_trainer(self.config, self.device, shard=True)
-        self.anchor = None
+        self.anchor = None  # service.main refuses anchor_coef > 0 under torchrun, before the ranks start
 
     def restore(self, checkpoints: Path) -> Restored:
         return restore_collective(self, checkpoints)

@@ -270,8 +270,6 @@ class Trainer:
             sum(mb.num_action_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches))
         if total_tokens == 0:
             raise ValueError("batch has no action tokens to train on")
-        if anchor and world != 1:
-            raise ValueError("the demonstration anchor runs in one learner process (learner/anchor.py)")
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         stats_sum: dict[str, float] = {}
@@ -316,13 +314,7 @@ class Trainer:
             stats_sum["kl_behavior_proximal"] = stats_sum.get("kl_behavior_proximal", 0.0) + kl_behavior * token_share
         anchor_tokens = sum(mb.num_action_tokens for mb in anchor)
         if anchor_tokens:
-            nll_sum = 0.0
-            for mb in anchor:
-                logprobs_N, _, _ = self._forward(mb.to(self.device), with_entropy=False)
-                nll = -logprobs_N.sum() / anchor_tokens
-                (anchor_coef * nll).backward()
-                nll_sum += float(nll.detach())
-            stats_sum["anchor_nll"] = nll_sum
+            stats_sum["anchor_nll"], _ = self._nll_backward(anchor, anchor_tokens, anchor_coef)
         grad_norm, stepped = self._clip_and_step()
         loss_sum, *stat_values = _global_sum(loss_sum, *stats_sum.values())
         return StepStats(
@@ -346,17 +338,7 @@ class Trainer:
         if total_tokens == 0:
             raise ValueError("batch has no action tokens to train on")
         self.optimizer.zero_grad(set_to_none=True)
-        nll_sum = 0.0
-        entropy_sum = 0.0
-        for mb in micro_batches:
-            if mb.num_action_tokens == 0 and world == 1:
-                continue
-            mb = mb.to(self.device)
-            logprobs_N, entropy_N, _ = self._forward(mb, with_entropy=True)
-            nll = -logprobs_N.sum() / total_tokens
-            (nll * world).backward()
-            nll_sum += float(nll.detach())
-            entropy_sum += float(entropy_N.detach().sum())
+        nll_sum, entropy_sum = self._nll_backward(micro_batches, total_tokens, world)
         grad_norm, stepped = self._clip_and_step()
         nll_sum, entropy_sum, num_tokens, num_seqs = _global_sum(
             nll_sum, entropy_sum, sum(mb.num_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches))
@@ -371,6 +353,21 @@ class Trainer:
             kernel_stats={"entropy": entropy_sum / total_tokens, "nll": nll_sum},
             skipped=not stepped,
         )
+
+    def _nll_backward(self, micro_batches: Sequence[MicroBatch], total_tokens: int, scale: float) -> tuple[float, float]:
+        """Backward of `scale` x the NLL of the micro-batches' action tokens summed over
+        `total_tokens` (the mean when they are all of them); (that NLL, the entropy summed over them).
+        The SFT step, and the RL step's demonstration anchor."""
+        nll_sum = entropy_sum = 0.0
+        for mb in micro_batches:
+            if mb.num_action_tokens == 0 and _world_size() == 1:
+                continue
+            logprobs_N, entropy_N, _ = self._forward(mb.to(self.device), with_entropy=True)
+            nll = -logprobs_N.sum() / total_tokens
+            (nll * scale).backward()
+            nll_sum += float(nll.detach())
+            entropy_sum += float(entropy_N.detach().sum())
+        return nll_sum, entropy_sum
 
     def _clip_and_step(self) -> tuple[float, bool]:
         """(global gradient norm, whether the step was applied): skipped when the norm is not finite."""
