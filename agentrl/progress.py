@@ -6,6 +6,10 @@ metrics.jsonl, the actor's stats.jsonl) and from the supervisor's own state (pha
 evaluation, deadline), so it costs the run nothing and cannot disagree with the record:
 
     [12.3 min] rl | step 34 | 412 episodes | task reward 0.41, 1.3 calls/episode (last 5 steps) | held-out EM 0.302 (sft) | 14.1 min left
+    [4.0 min] sft | step 12 | SFT loss 0.412 (last 5 steps) | evaluating sft: 37/96 episodes | 20.5 min left
+
+In the SFT phase the loss stands where RL shows its reward (the demonstrations' reward is always
+the same); during a held-out evaluation, its progress in episodes.
 
 TensorBoard (RUN_DIR/tensorboard): `heldout/em`, `heldout/f1`, `heldout/em_<n>hop`, ... per
 evaluation (x = the policy version served), `actor/*` counters (x = seconds since the RL phase
@@ -64,6 +68,8 @@ class Progress:
         self.start = time.monotonic()
         self.deadline: float | None = None
         self.last_eval: dict | None = None
+        self.eval_progress: tuple[str, int, int] | None = None
+        """(label, episodes done, total) of the held-out evaluation running now, set by the supervisor."""
         self._actor_t0: float | None = None
         self._task: asyncio.Task | None = None
         self._tb = None
@@ -125,10 +131,18 @@ class Progress:
         actor = tail_records(self.out / "actor" / "stats.jsonl", 1)
         if actor and self.phase != "sft":
             parts.append(f"{actor[-1].get('num_episodes_finished', 0)} episodes")
-        reward, calls = _mean(recent, "reward/task"), _mean(recent, "episode/num_tool_calls")
-        if reward is not None:
-            parts.append(f"task reward {reward:.2f}" + (f", {calls:.1f} calls/episode" if calls is not None else "")
-                         + f" (last {len(recent)} steps)")
+        if self.phase == "sft":  # its batches are demonstrations: their reward says nothing, the loss does
+            loss = _mean(recent, "loss")
+            if loss is not None:
+                parts.append(f"SFT loss {loss:.3f} (last {len(recent)} steps)")
+        else:
+            reward, calls = _mean(recent, "reward/task"), _mean(recent, "episode/num_tool_calls")
+            if reward is not None:
+                parts.append(f"task reward {reward:.2f}" + (f", {calls:.1f} calls/episode" if calls is not None else "")
+                             + f" (last {len(recent)} steps)")
+        if self.eval_progress is not None:
+            label, done, total = self.eval_progress
+            parts.append(f"evaluating {label}: {done}/{total} episodes")
         if self.last_eval is not None:
             e = self.last_eval
             parts.append(f"held-out {e.get('score_metric', 'score')} {e['score']:.3f} ({e['label']})")

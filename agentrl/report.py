@@ -78,6 +78,37 @@ def paired_by(run: Path, before: tuple[str, dict], after: tuple[str, dict]) -> d
     return out
 
 
+def no_rl_reason(phases: dict) -> str:
+    """Why a run's final policy was not trained by RL, in one sentence (report and JSON line)."""
+    rl = phases.get("rl", {})
+    if rl.get("skipped"):
+        why = "the SFT cold start and the evaluations left no time for it in the budget"
+    elif "rl" in phases:
+        why = f"its phase ran {rl.get('rl_s', 0.0) / 60:.1f} minutes and made no optimizer step"
+    else:
+        why = "the run did not reach it"
+    return f"RL did not run: {why}; the final policy is the {'SFT checkpoint' if 'score' in phases.get('sft', {}) else 'initial model'}"
+
+
+def time_table(phases: dict, evals: list[dict]) -> list[str]:
+    """Markdown: minutes of each phase of the budget (evaluations apart from training)."""
+    def minutes(label: str) -> float:
+        return sum(e.get("eval_s", 0.0) for e in evals if e.get("label") == label and not e.get("cached") and not e.get("repeat_of")) / 60
+
+    base = phases.get("baseline", {})
+    rows = [("held-out evaluations before training" + (" (read from the cache)" if base.get("cached") else ""),
+             sum(minutes(name) for name in ["base_tool_call", *base.get("baselines", {})])),
+            ("SFT cold start (training)", phases.get("sft", {}).get("sft_s", 0.0) / 60),
+            ("held-out evaluation after SFT", minutes("sft")),
+            ("RL phase (training; its evaluations below)", phases.get("rl", {}).get("rl_s", 0.0) / 60),
+            ("held-out evaluations during RL", minutes("rl")),
+            ("final held-out evaluation" + (" (reused: the policy was unchanged)" if phases.get("final", {}).get("repeat_of") else ""),
+             minutes("final")),
+            ("diagnostics after the budget (opt-in)", minutes("final_without_tools") + minutes("final_transfer"))]
+    return ["", "## Where the time went", "", "| phase | minutes |", "| --- | --- |",
+            *(f"| {name} | {value:.1f} |" for name, value in rows)]
+
+
 def failure_table(rows: list[tuple[str, dict | None]]) -> list[str]:
     """Markdown: for each policy and hop count (`by_num_hops`), the share of episodes with each
     failure label the environment reports (metrics `fail_*`, e.g. engine/qa.py FAILURE_LABELS);
@@ -151,12 +182,19 @@ def write_report(run_dir: str | Path) -> Path:
                            ("publishing (stall)", "time/publish_stall_s"))},
         "learner version", "seconds")))
 
-    lines = ["# Training report", "", f"Run directory: `{run}`", ""]
+    lines = ["# Training report", ""]
     base = phases.get("baseline", {})
     sft_phase = phases.get("sft") if "score" in phases.get("sft", {}) else None
+    rl_steps = phases.get("rl", {}).get("rl_steps")  # absent in runs from before it was recorded: their metrics say
+    rl_ran = rl_steps > 0 if rl_steps is not None else any("loss" in r for r in rl)
+    if phases.get("final") and not rl_ran:
+        lines += [f"**{no_rl_reason(phases)}.** The row \"Final\" below is that policy, not an RL result; a longer "
+                  "budget (`--minutes`) gives RL its time (the run's log says how much this machine needs).", ""]
+    lines += [f"Run directory: `{run}`", ""]
+    final_label = "After RL (final)" if rl_ran else "Final (no RL step: " + ("the SFT checkpoint)" if sft_phase else "the initial model)")
     rows = [("Base Tool Call (untrained, with tools)", base.get("base_tool_call")),
             *((name, summary) for name, summary in base.get("baselines", {}).items()),
-            ("After SFT cold start", sft_phase), ("After RL (final)", phases.get("final"))]
+            ("After SFT cold start", sft_phase), (final_label, phases.get("final"))]
     extra = [k for k in ("f1",) if any(r and k in r for _, r in rows)]
     by_keys = sorted({k for _, r in rows if r for k in r if k.startswith("by_")})
     header = [metric, *extra, *(f"{metric} {k.removeprefix('by_')}={v}" for k in by_keys
@@ -185,7 +223,7 @@ def write_report(run_dir: str | Path) -> Path:
                             ("After RL, transfer tasks", phases.get("final_transfer"))])
     if base.get("base_tool_call") and phases.get("final"):
         lines += ["", f"{metric} gain over Base Tool Call: **{phases['final']['score'] - base['base_tool_call']['score']:+.3f}**"]
-    if sft_phase and phases.get("final"):
+    if sft_phase and phases.get("final") and rl_ran:
         lines.append(f"{metric} gain of the RL phase over the SFT-only checkpoint: **{phases['final']['score'] - sft_phase['score']:+.3f}**")
         paired = paired_comparison(eval_records(run, "sft", sft_phase), eval_records(run, "final", phases["final"]))
         if paired:
@@ -209,6 +247,7 @@ def write_report(run_dir: str | Path) -> Path:
         a = actor[-1]
         lines.append(f"- actor: {a['num_episodes_finished']} episodes ({a['num_episodes_failed']} failed), "
                      f"{a['num_groups_emitted']} groups, {a['num_turns']} turns in {a['elapsed_s'] / 60:.1f} min")
+    lines += time_table(phases, evals)
     lines += ["", "## Plots", ""]
     for title, name in images:
         if name:

@@ -86,15 +86,31 @@ class EvalConfig:
     """Held-out evaluation interval during RL, seconds of wall-clock."""
     baselines: bool = True
     """Also evaluate the environment's baselines once, before training (QA: Naive RAG)."""
-    without_tools: bool = True
+    without_tools: bool = False
     """After the final evaluation, evaluate the final policy once more with every tool disabled (same
     prompt, each call fails): a score near Base Tool Call's says the tasks are not learnable without
-    the tools. A diagnostic after the budget: not counted in `minutes` nor in minutes_after_setup.
-    Native episodes only (an `[agent]` program brings its own tool calls)."""
-    transfer: bool = True
+    the tools. A diagnostic after the budget: not counted in `minutes` nor in minutes_after_setup, so
+    opt-in (it costs about one held-out evaluation). Native episodes only (an `[agent]` program
+    brings its own tool calls)."""
+    transfer: bool = False
     """After the final evaluation, evaluate the final policy on the task set's transfer tasks (harder
     than any trained on; synthetic QA: `transfer_hops`, 3-hop), when it has them. A figure, no
-    target; after the budget like `without_tools`. Native episodes only."""
+    target; after the budget and opt-in like `without_tools`. Native episodes only."""
+    max_share: float = 0.2
+    """Evaluations during RL (every `every_s`) run only while the run's held-out evaluations so far,
+    this one and the final one stay within this share of `minutes`: on a slow machine the baseline,
+    SFT and final evaluations alone can take it, and RL keeps its time. 0: none during RL."""
+    cache_baselines: bool = True
+    """Reuse the untrained policy's evaluations (Base Tool Call and the environment's baselines) from
+    an earlier run when everything that determines them is the same: the model folder's files, the
+    served dtype, the vLLM and agentrl code, the environment's config and rendered prompt, the held-out
+    tasks and the decoding (agentrl/evalcache.py). Never with an `[agent]`."""
+    cache_dir: str = ""
+    """Where cached evaluations are kept; empty: $AGENTRL_CACHE_DIR, else ~/.cache/agentrl."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_share <= 1:
+            raise ValueError(f"eval.max_share={self.max_share} must be in [0, 1]")
     in_budget: bool = True
     """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
     (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares
@@ -123,6 +139,12 @@ class TrainConfig:
     """Wall-clock budget of everything after set-up (baseline evaluations, SFT, RL, every evaluation
     including the final one), minutes. The RL phase ends when what is left is the time the final
     evaluation is expected to take."""
+    rl_min_share: float = 0.4
+    """The share of `minutes` kept for the RL phase: the SFT cold start stops early enough to leave
+    it (after the SFT and final evaluations' expected time). When what is left for RL is less anyway
+    (the evaluations take it on a slow machine), the run says so before RL starts, with the
+    `--minutes` that would give RL this share; a run that ends without an RL step says so in its
+    report and JSON line (`rl_steps` 0)."""
     seed: int = 0
     """Seed of the learners (the task set has its own in [tasks.options])."""
     model_dir: str = ""
@@ -146,6 +168,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.minutes > 0:
             raise ValueError(f"minutes={self.minutes} must be > 0")
+        if not 0 <= self.rl_min_share < 1:
+            raise ValueError(f"rl_min_share={self.rl_min_share} must be in [0, 1)")
 
 
 @dataclass

@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -54,7 +55,7 @@ from agentrl.common.files import read_jsonl, write_atomic
 from agentrl.common.procs import ChildProcess
 from agentrl.common.watchdog import RunLock, RunLockedError
 from agentrl.engine.environments import env_class
-from agentrl.engine.evaluation import evaluate, evaluate_baselines
+from agentrl.engine.evaluation import GREEDY, evaluate, evaluate_baselines
 from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
@@ -315,15 +316,7 @@ class Supervisor:
             self._write_prompt()
             if "baseline" not in self.phases:
                 self._phase("baseline evaluation")
-                summary, trajs = await evaluate(conn, self.heldout, "base_tool_call", episodes=self.eval_episodes)
-                self._log_eval(summary, trajs)
-                _write_sample(self.out / "trajectories_base.jsonl", trajs[:8], conn.chat)
-                result = {"base_tool_call": summary, "baselines": {}}
-                if cfg.eval.baselines:
-                    for name, (baseline, _) in (await evaluate_baselines(conn, self.heldout)).items():
-                        self._log_eval(baseline)
-                        result["baselines"][name] = baseline
-                self._phase_done("baseline", result)
+                await self._baseline_phase()
             if not cfg.eval.in_budget:
                 self.deadline = time.monotonic() + cfg.minutes * 60
             # On --resume the budget applies to what is left to do (a long run continues in slices).
@@ -332,9 +325,10 @@ class Supervisor:
             if "rl" not in self.phases:
                 await self._rl_phase()
             self._phase("final evaluation")
-            summary, trajs = await evaluate(conn, self.heldout, "final", episodes=self.eval_episodes)
+            summary, trajs = await self._evaluate_policy("final")
             self._log_eval(summary, trajs)
-            _write_sample(self.out / "trajectories_final.jsonl", trajs[:8], conn.chat)
+            if trajs is not None:
+                _write_sample(self.out / "trajectories_final.jsonl", trajs[:8], conn.chat)
             self._phase_done("final", summary)
             if not cfg.agent.enabled:  # diagnostics of the native environment, after the budget
                 if cfg.eval.without_tools:
@@ -350,20 +344,71 @@ class Supervisor:
             return
         self._phase(title)
         t1 = time.monotonic()
-        summary, trajs = await evaluate(self.conn, tasks, label, env=env)
+        summary, trajs = await self._evaluate(tasks, label, env=env)
         self._log_eval(summary, trajs)
         self._phase_done(label, summary)
         self.diagnostic_s += time.monotonic() - t1
 
-    def _write_prompt(self) -> None:
-        """What the policy sees before each task (the export puts it in the model folder)."""
-        from agentrl.export import PROMPT_FILE
-
+    def _prompt(self) -> dict:
+        """What the policy sees before each task: system prompt, worked example, tool schemas."""
         env = self.conn.env
         examples = env.example_messages() if env.config.worked_example else ()
-        prompt = {"system_prompt": env.system_prompt, "example_messages": [list(m) for m in examples],
-                  "tools": [t.schema() for t in env.tools.values()], "user_prefix": env.user_prefix}
-        write_atomic(self.out / PROMPT_FILE, json.dumps(prompt, indent=1).encode())
+        return {"system_prompt": env.system_prompt, "example_messages": [list(m) for m in examples],
+                "tools": [t.schema() for t in env.tools.values()], "user_prefix": env.user_prefix}
+
+    def _write_prompt(self) -> None:
+        """The prompt, for the export to put in the model folder."""
+        from agentrl.export import PROMPT_FILE
+
+        write_atomic(self.out / PROMPT_FILE, json.dumps(self._prompt(), indent=1).encode())
+
+    def _baseline_cache(self) -> tuple[Path, str, dict] | None:
+        """(cache folder, key, key inputs) of the untrained policy's evaluations (agentrl/evalcache.py),
+        or None where the cache does not apply: turned off, servers given with --vllm, an [agent]."""
+        cfg = self.config
+        if not cfg.eval.cache_baselines or cfg.services.vllm or cfg.agent.enabled:
+            return None
+        from agentrl import evalcache
+        from agentrl.engine.serve import cfg_dtype
+
+        inputs = evalcache.key_inputs(
+            model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_dtype), max_model_len=cfg.services.max_model_len,
+            env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self.heldout],
+            decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [])
+        return evalcache.default_cache_dir(cfg.eval.cache_dir), evalcache.cache_key(inputs), inputs
+
+    async def _baseline_phase(self) -> None:
+        """Base Tool Call and the environment's baselines on the held-out tasks, or their cached
+        results from an earlier run with the same key."""
+        from agentrl import evalcache
+
+        cache = self._baseline_cache()
+        if cache is not None and (entry := evalcache.lookup(cache[0], cache[1])) is not None:
+            evalcache.restore(entry, self.out)
+            cached = entry["summaries"]
+            result = {"base_tool_call": cached["base_tool_call"], "baselines": cached["baselines"], "cached": entry["path"]}
+            self.say(f"baseline evaluations read from the cache: {entry['path']} (same model files, dtype, code, "
+                     "prompt, held-out tasks and decoding; eval.cache_baselines = false evaluates again)")
+            for summary in [result["base_tool_call"], *result["baselines"].values()]:
+                self._log_eval({**summary, "time": time.time(), "cached": True})
+            self._phase_done("baseline", result)
+            return
+        summary, trajs = await self._evaluate(self.heldout, "base_tool_call")
+        self._log_eval(summary, trajs)
+        _write_sample(self.out / "trajectories_base.jsonl", trajs[:8], self.conn.chat)
+        result = {"base_tool_call": summary, "baselines": {}}
+        if self.config.eval.baselines:
+            for name, (baseline, _) in (await evaluate_baselines(self.conn, self.heldout)).items():
+                self._log_eval(baseline)
+                result["baselines"][name] = baseline
+        if cache is not None:
+            name = f"base_tool_call-v{summary['served_version']}"
+            files = [f for f in (f"evals/{name}.jsonl", f"evals/{name}.text.jsonl.gz", "trajectories_base.jsonl")
+                     if (self.out / f).is_file()]
+            path = evalcache.store(cache[0], cache[1], cache[2], {"base_tool_call": summary, "baselines": result["baselines"]},
+                                   self.out, files)
+            self.say(f"baseline evaluations cached in {path}")
+        self._phase_done("baseline", result)
 
     async def _sft_phase(self) -> None:
         from agentrl.common.curve import load_client_keys
@@ -389,7 +434,12 @@ class Supervisor:
                              curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))
         await sender.start()
         t0 = time.perf_counter()
-        stop_at = sft_stop_at(time.monotonic(), cfg.sft.max_minutes, self.deadline, self._final_eval_reserve_s())
+        # After SFT come its evaluation, the RL phase's share and the final evaluation.
+        reserve_s = 2 * self._final_eval_reserve_s() + self._rl_min_s()
+        stop_at = sft_stop_at(time.monotonic(), cfg.sft.max_minutes, self.deadline, reserve_s)
+        self.say(f"SFT cold start: up to {cfg.sft.steps} steps, stopped after {max(stop_at - time.monotonic(), 0) / 60:.1f} "
+                 f"minutes at the latest (the SFT and final evaluations and rl_min_share = {cfg.rl_min_share} of the "
+                 "budget come after it)")
         time_limited = False
         epoch = 0
         try:
@@ -423,9 +473,10 @@ class Supervisor:
         if rc != 0:
             raise RuntimeError(f"SFT learner exited with {rc}; log {learner.log_path}:\n{learner.log_tail()}")
         steps_done = _last_metrics(self.out / "sft" / "metrics.jsonl").get("step", 0)
-        summary, trajs = await evaluate(self.conn, self.heldout, "sft", episodes=self.eval_episodes)
+        sft_s = time.perf_counter() - t0
+        summary, trajs = await self._evaluate_policy("sft")
         self._log_eval(summary, trajs)
-        self._phase_done("sft", {**summary, "sft_s": time.perf_counter() - t0, "steps": cfg.sft.steps,
+        self._phase_done("sft", {**summary, "sft_s": sft_s, "steps": cfg.sft.steps,
                                  "steps_done": steps_done, "time_limited": time_limited, "epochs_streamed": epoch})
 
     async def _demonstrations(self) -> tuple[list, str]:
@@ -468,6 +519,14 @@ class Supervisor:
 
     async def _rl_phase(self) -> None:
         cfg = self.config
+        rl_s = self.deadline - self._final_eval_reserve_s() - time.monotonic()
+        if rl_s < self._rl_min_s():
+            self.say(rl_shortfall_message(rl_s, cfg.rl_min_share, cfg.minutes))
+        if rl_s < MIN_RL_PHASE_S:
+            self.say(f"RL phase skipped: {max(rl_s, 0):.0f} s of the budget are left before the final evaluation, "
+                     f"less than the {MIN_RL_PHASE_S:.0f} s a learner and an actor need to make a step")
+            self._phase_done("rl", {"skipped": "no time left", "rl_s": 0.0, "rl_steps": 0})
+            return
         overrides: dict = {}
         if cfg.sft.enabled and not self.phases.get("sft", {}).get("skipped"):
             overrides["init_checkpoint"] = str(self.out / "sft" / "checkpoints")
@@ -476,6 +535,7 @@ class Supervisor:
         config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)
         self._phase("rl")
+        rl_start = time.monotonic()
         learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
@@ -501,18 +561,60 @@ class Supervisor:
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
                 if rl_eval_fits(time.monotonic(), self.evals, next_eval_s=next_eval, rl_end_s=rl_end(),
-                                in_budget=cfg.eval.in_budget):
-                    summary, trajs = await evaluate(self.conn, self.heldout, "rl", episodes=self.eval_episodes)
+                                in_budget=cfg.eval.in_budget, max_eval_s=cfg.eval.max_share * cfg.minutes * 60):
+                    summary, trajs = await self._evaluate(self.heldout, "rl")
                     self._log_eval(summary, trajs)
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:
             # In threads: the event loop must keep answering the tool services' heartbeats.
             await asyncio.to_thread(actor.stop, 30)
             await asyncio.to_thread(learner.stop, 120)
-        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll()})
+        first_version = self.phases.get("sft", {}).get("steps_done", 0) if "init_checkpoint" in overrides else 0
+        last_version = _last_metrics(self.out / "rl" / "metrics.jsonl").get("step", first_version)
+        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll(),
+                                "rl_s": time.monotonic() - rl_start, "rl_steps": last_version - first_version,
+                                "first_version": first_version, "last_version": last_version})
 
     def _final_eval_reserve_s(self) -> float:
         return final_eval_reserve_s(self.evals, in_budget=self.config.eval.in_budget)
+
+    def _rl_min_s(self) -> float:
+        return self.config.rl_min_share * self.config.minutes * 60
+
+    # -- evaluations
+    async def _evaluate(self, tasks, label: str, env=None) -> tuple[dict, list]:
+        """`evaluate`, with its progress (done/total) on the status line."""
+        def on_progress(done: int, total: int) -> None:
+            if self.progress is not None:
+                self.progress.eval_progress = (label, done, total)
+
+        try:
+            return await evaluate(self.conn, tasks, label, env=env, episodes=None if env is not None else self.eval_episodes,
+                                  on_progress=on_progress)
+        finally:
+            if self.progress is not None:
+                self.progress.eval_progress = None
+
+    async def _evaluate_policy(self, label: str) -> tuple[dict, list | None]:
+        """The held-out evaluation `label` of the served policy, unless the latest clean evaluation
+        (baseline, after SFT, final) measured the same served version: the same weights, prompt,
+        tasks and greedy decoding give the same result, so that one is reused (its per-task files
+        copied under this label) and nothing runs. (None, trajectories) are returned then."""
+        versions = list((await self.conn.pool.weight_versions()).values())
+        served = max(versions) if versions else -1
+        same = [e for e in self.evals if e.get("label") in CLEAN_EVALUATIONS and e.get("served_version") == served
+                and e.get("harness", "native") == ("native" if self.eval_episodes is None else "agent")]
+        if not same:
+            return await self._evaluate(self.heldout, label)
+        earlier = same[-1]
+        folder = self.out / "evals"
+        for suffix in (".jsonl", ".text.jsonl.gz"):
+            source = folder / f"{earlier['label']}-v{served}{suffix}"
+            if source.is_file():
+                shutil.copyfile(source, folder / f"{label}-v{served}{suffix}")
+        self.say(f"evaluation {label} not run: served version {served} is the one the {earlier['label']} evaluation "
+                 "measured (same weights, prompt, tasks, greedy decoding); its result stands")
+        return {**earlier, "label": label, "time": time.time(), "repeat_of": earlier["label"]}, None
 
 
 # ---------------------------------------------------------------- the time-budget rules
@@ -525,11 +627,35 @@ CLEAN_EVALUATIONS = ("base_tool_call", "sft", "final")
 baselines such as Naive RAG run other, shorter episodes)."""
 
 
+MIN_RL_PHASE_S = 60.0
+"""Below this much time before the final evaluation the RL phase is not started: starting a learner
+and an actor alone takes ~20-30 s, and a step more on the slower machine kind."""
+
+
+def evaluation_seconds(evals: list[dict]) -> float:
+    """Seconds the run spent evaluating in its budget: every held-out evaluation it ran, not the
+    ones read from the cache or reused for an unchanged policy, nor the diagnostics after the budget."""
+    return sum(float(e.get("eval_s", 0.0)) for e in evals
+               if not e.get("cached") and not e.get("repeat_of") and e.get("label") not in ("final_without_tools", "final_transfer"))
+
+
+def rl_shortfall_message(rl_s: float, rl_min_share: float, minutes: float) -> str:
+    """What a run says before an RL phase shorter than rl_min_share of the budget: how much more
+    time RL needs on this machine and the --minutes that gives it."""
+    need_s = rl_min_share * minutes * 60
+    more_min = (need_s - max(rl_s, 0.0)) / 60
+    return (f"warning: the RL phase gets {max(rl_s, 0) / 60:.1f} minutes, less than rl_min_share = {rl_min_share} of the "
+            f"{minutes:g}-minute budget ({need_s / 60:.1f} minutes): the evaluations and the SFT cold start took the rest "
+            f"on this machine. This machine needs about {more_min:.0f} more minutes for RL; use "
+            f"--minutes {math.ceil(minutes + more_min)}")
+
+
 def eval_extends_deadline_s(summary: dict, *, in_budget: bool) -> float:
     """Seconds an evaluation adds to the deadline. With evaluations outside the budget the
     before/after evaluations (sft, final) are added back; an RL-phase evaluation is not, because
-    training goes on beside it. The baseline evaluations run before the budget starts."""
-    if in_budget or summary["label"] not in ("sft", "final"):
+    training goes on beside it. The baseline evaluations run before the budget starts. One that did
+    not run (cached, or reused for an unchanged policy) adds nothing."""
+    if in_budget or summary["label"] not in ("sft", "final") or summary.get("cached") or summary.get("repeat_of"):
         return 0.0
     return float(summary["eval_s"])
 
@@ -554,13 +680,18 @@ def sft_stop_at(now_s: float, max_minutes: float, deadline_s: float, reserve_s: 
     return min(limit, now_s + max_minutes * 60) if max_minutes > 0 else limit
 
 
-def rl_eval_fits(now_s: float, evals: list[dict], *, next_eval_s: float, rl_end_s: float, in_budget: bool) -> bool:
-    """Whether to start an RL-phase evaluation now: it is due, and 1.25 x the last RL-phase one
-    still ends before the RL phase does. Before the first, the final-evaluation reserve stands in
-    for it (an RL-phase evaluation runs beside the actor and the learner, so longer than a clean one)."""
+def rl_eval_fits(now_s: float, evals: list[dict], *, next_eval_s: float, rl_end_s: float, in_budget: bool,
+                 max_eval_s: float = math.inf) -> bool:
+    """Whether to start an RL-phase evaluation now: it is due, 1.25 x the last RL-phase one still
+    ends before the RL phase does, and the evaluations so far, this one and the final one's reserve
+    stay within `max_eval_s` (eval.max_share of the budget). Before the first, the final-evaluation
+    reserve stands in for it (an RL-phase evaluation runs beside the actor and the learner, so longer
+    than a clean one)."""
     rl_durations = [e["eval_s"] for e in evals if e.get("label") == "rl" and "eval_s" in e]
-    expected_s = rl_durations[-1] if rl_durations else final_eval_reserve_s(evals, in_budget=in_budget)
-    return now_s >= next_eval_s and now_s + 1.25 * expected_s < rl_end_s
+    reserve_s = final_eval_reserve_s(evals, in_budget=in_budget)
+    expected_s = 1.25 * (rl_durations[-1] if rl_durations else reserve_s)
+    within_share = evaluation_seconds(evals) + expected_s + reserve_s <= max_eval_s
+    return now_s >= next_eval_s and now_s + expected_s < rl_end_s and within_share
 
 
 # ---------------------------------------------------------------- entry point
@@ -693,7 +824,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, out: Path, fresh: bool, 
 def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: float) -> dict:
     """Export the policy, write the report, and the run's summary (the JSON line)."""
     from agentrl.export import export
-    from agentrl.report import eval_records, paired_by, paired_comparison, write_report
+    from agentrl.report import eval_records, no_rl_reason, paired_by, paired_comparison, write_report
 
     hf = export(out, out / "hf")
     report = write_report(out)
@@ -701,20 +832,32 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
     final = phases["final"]
     rl_metrics = _last_metrics(out / "rl" / "metrics.jsonl")
     sft = phases.get("sft", {})
+    rl = phases.get("rl", {})
     summary = {
         "score_metric": final["score_metric"],
         "score_before": round(base["score"], 4),
         "score_sft": round(sft["score"], 4) if "score" in sft else None,
         "score_after": round(final["score"], 4),
+        "rl_ran": rl.get("rl_steps", 0) > 0,
+        "rl_steps": rl.get("rl_steps", 0),
+        "sft_steps_done": sft.get("steps_done", 0),
         "episodes": _actor_episodes(out / "actor" / "stats.jsonl"),
-        "optimizer_steps": rl_metrics.get("step", 0),
-        "learner_restarts": phases.get("rl", {}).get("learner_restarts", 0),
+        "optimizer_steps": rl_metrics.get("step", sft.get("steps_done", 0)),
+        "learner_restarts": rl.get("learner_restarts", 0),
         "minutes": round((time.time() - started) / 60, 2),
         "minutes_after_setup": round((time.time() - started - supervisor.setup_s - supervisor.diagnostic_s) / 60, 2),
+        "setup_minutes": round(supervisor.setup_s / 60, 2),
+        "eval_minutes": round(evaluation_seconds(supervisor.evals) / 60, 2),
+        "sft_minutes": round(sft.get("sft_s", 0.0) / 60, 2),
+        "rl_minutes": round(rl.get("rl_s", 0.0) / 60, 2),
+        "diagnostic_minutes": round(supervisor.diagnostic_s / 60, 2),
+        "baselines_cached": "cached" in phases["baseline"],
         "report": str(report),
         "hf": str(hf),
         "out": str(out),
     }
+    if not summary["rl_ran"]:
+        summary["rl_note"] = no_rl_reason(phases)
     if "em" in final:  # the QA job's own keys, kept beside the generic ones
         rag = phases["baseline"].get("baselines", {}).get("naive_rag")
         summary |= {"em_before": round(base["em"], 4), "em_sft": round(sft["em"], 4) if "em" in sft else None,

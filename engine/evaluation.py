@@ -93,8 +93,9 @@ def summarize(label: str, env, tasks: list[Task], trajectories: list, **extra) -
     return summary
 
 
-async def evaluate(conn, tasks: list[Task], label: str, env=None, episodes=None) -> tuple[dict, list]:
-    """Greedy held-out evaluation (module docstring); returns (summary, trajectories)."""
+async def evaluate(conn, tasks: list[Task], label: str, env=None, episodes=None, on_progress=None) -> tuple[dict, list]:
+    """Greedy held-out evaluation (module docstring); returns (summary, trajectories).
+    `on_progress(done, total)` is called as tasks finish (a status line's "37/96")."""
     from agentrl.common.weights import WeightPushError, reset_kv_cache
 
     env = env or conn.env
@@ -107,7 +108,17 @@ async def evaluate(conn, tasks: list[Task], label: str, env=None, episodes=None)
             conn.pool.mark_dead(url, result)
         elif isinstance(result, BaseException):
             raise result
-    trajectories = await run_tasks(env, conn.pool, tasks, run_id=f"eval-{label}", episodes=episodes)
+    done = 0
+
+    async def count(group) -> None:
+        nonlocal done
+        done += 1
+        on_progress(done, len(tasks))
+
+    if on_progress is not None:
+        on_progress(0, len(tasks))
+    trajectories = await run_tasks(env, conn.pool, tasks, run_id=f"eval-{label}", episodes=episodes,
+                                   sink=count if on_progress is not None else None)
     if episodes is not None:  # an agent episode may give several trajectories (segments): score its last
         trajectories = list({(t.group_id, t.sample_index): t for t in trajectories}.values())
     summary = summarize(label, env, tasks, trajectories, served_version=max(versions_before) if versions_before else -1,

@@ -16,6 +16,15 @@ import pytest
 from agentrl.common.model import prepare_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def eval_cache_dir(tmp_path_factory) -> Path:
+    """The runs of a test session cache their baseline evaluations here (agentrl/evalcache.py), not
+    in the user's ~/.cache/agentrl: a test never reads a result a run outside it computed."""
+    path = tmp_path_factory.mktemp("agentrl-cache")
+    os.environ["AGENTRL_CACHE_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return prepare_model()

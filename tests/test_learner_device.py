@@ -211,3 +211,18 @@ def test_the_kl_reference_of_a_learner_started_from_a_checkpoint_is_that_checkpo
             torch.testing.assert_close(reference[key], value, rtol=0, atol=0)
     base = _start(_config(tmp_path / "base", model_dir, "cpu", "grpo", "fp32")).ranks.trainer.reference.state_dict()
     assert any(not torch.equal(base[k], trained[k]) for k in trained)  # the steps moved the weights
+
+
+def test_the_slower_kinds_float32_can_be_chosen_on_a_bf16_cpu(monkeypatch):
+    # scripts/slow_kind.sh sets AGENTRL_CPU_BF16=0: "auto" then picks float32 for the server and the
+    # learner as it does on a CPU without native bf16; any other value is refused, not guessed.
+    from agentrl.common import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.delenv("AGENTRL_CPU_BF16", raising=False)
+    assert hardware.cpu_has_fast_bf16()
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "0")
+    assert not hardware.cpu_has_fast_bf16() and hardware.auto_dtype_name("cpu") == "float32"
+    monkeypatch.setenv("AGENTRL_CPU_BF16", "1")
+    with pytest.raises(ValueError, match="AGENTRL_CPU_BF16='1'"):
+        hardware.cpu_has_fast_bf16()

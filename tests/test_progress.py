@@ -87,3 +87,18 @@ def test_wandb_offline_needs_no_network(tmp_path, monkeypatch):
     asyncio.run(progress.close())
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_status_line_shows_the_sft_loss_and_an_evaluation_in_progress(tmp_path):
+    (tmp_path / "sft").mkdir()
+    with open(tmp_path / "sft" / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate((1.2, 1.0, 0.8), start=1):  # demonstrations: reward 1.0 at every step
+            f.write(json.dumps({"step": step, "loss": loss, "reward/task": 1.0, "episode/num_tool_calls": 1.5}) + "\n")
+    progress = Progress(tmp_path, LoggingConfig(tensorboard=False), stream=io.StringIO())
+    progress.phase = "sft"
+    line = progress.status_line()
+    assert " sft | step 3 | SFT loss 1.000 (last 3 steps)" in line and "task reward" not in line, line
+    progress.eval_progress = ("sft", 37, 96)
+    assert "| evaluating sft: 37/96 episodes" in progress.status_line()
+    progress.eval_progress = None
+    assert "evaluating" not in progress.status_line()

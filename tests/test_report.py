@@ -26,7 +26,8 @@ def test_report_states_the_paired_comparison(tmp_path):
                 "by_num_hops": {"1": {"score": by[0], "n": 2}, "2": {"score": by[1], "n": 2}}}
 
     phases = {"baseline": {"base_tool_call": summary(0.0, 0, (0.0, 0.0))},
-              "sft": summary(0.25, 12, (0.5, 0.0)), "final": summary(0.75, 30, (1.0, 0.5)),
+              "sft": summary(0.25, 12, (0.5, 0.0)), "rl": {"rl_steps": 18, "rl_s": 600.0},
+              "final": summary(0.75, 30, (1.0, 0.5)),
               "final_transfer": {"score": 0.125, "score_metric": "em", "em": 0.125, "n": 8, "served_version": 30,
                                  "by_num_hops": {"3": {"score": 0.125, "n": 8}}}}
     (tmp_path / "phases.json").write_text(json.dumps(phases))
@@ -46,3 +47,28 @@ def test_report_states_the_paired_comparison(tmp_path):
     assert "- hops = 2 (2 questions): RL gained 1, lost 0, p = 1" in text
     assert paired_by(tmp_path, ("sft", phases["sft"]), ("final", phases["final"]))["num_hops"]["2"]["gained"] == 1
     assert "on transfer tasks, harder than any trained on: em **0.125** (n=8; num_hops=3: 0.125 (n=8))" in text
+
+
+def test_a_run_without_rl_says_so_first_and_labels_no_row_after_rl(tmp_path):
+    def summary(label, score, version):
+        return {"label": label, "score": score, "score_metric": "em", "em": score, "n": 4, "served_version": version,
+                "eval_s": 100.0}
+
+    sft = {**summary("sft", 0.25, 25), "steps_done": 25, "sft_s": 1050.0}
+    final = {**summary("final", 0.25, 25), "repeat_of": "sft"}
+    phases = {"baseline": {"base_tool_call": summary("base_tool_call", 0.0, 0)}, "sft": sft,
+              "rl": {"skipped": "no time left", "rl_s": 0.0, "rl_steps": 0}, "final": final}
+    (tmp_path / "phases.json").write_text(json.dumps(phases))
+    (tmp_path / "evals.jsonl").write_text("".join(json.dumps({**s, "time": 1.0}) + "\n" for s in
+                                                  (phases["baseline"]["base_tool_call"], sft, final)))
+    lines = write_report(tmp_path).read_text().splitlines()
+    assert lines[0] == "# Training report"
+    assert lines[2].startswith("**RL did not run: the SFT cold start and the evaluations left no time for it in the "
+                               "budget; the final policy is the SFT checkpoint.**"), lines[:4]
+    text = "\n".join(lines)
+    assert "After RL" not in text and "gain of the RL phase" not in text
+    assert "| Final (no RL step: the SFT checkpoint) | 0.250 |" in text
+    # The time table counts the final evaluation that was not run (a repeat) as no time.
+    assert "| held-out evaluation after SFT | 1.7 |" in text
+    assert "| final held-out evaluation (reused: the policy was unchanged) | 0.0 |" in text
+    assert "| RL phase (training; its evaluations below) | 0.0 |" in text

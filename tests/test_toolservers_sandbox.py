@@ -292,3 +292,19 @@ async def test_a_sandbox_killed_from_outside_is_replaced_and_its_call_answered()
         assert second != first
     finally:
         assert proc.stop(10) == 0
+
+
+def test_a_sandbox_cpu_quota_never_exceeds_its_parent_cgroups(tmp_path):
+    # cgroup v1 refuses (EINVAL) a child quota above its parent's: a tool service in a container held
+    # to 0.76 cores must give its sandboxes at most that, not fail to start them.
+    from agentrl.toolservers.sandbox import CPU_PERIOD_US, cpu_quota_us
+
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")  # no quota above
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota_us(1.0, tmp_path) == CPU_PERIOD_US
+    (tmp_path / "cpu.cfs_quota_us").write_text("76000\n")  # 0.76 cores
+    assert cpu_quota_us(1.0, tmp_path) == int(0.76 * CPU_PERIOD_US)
+    assert cpu_quota_us(0.5, tmp_path) == int(0.5 * CPU_PERIOD_US)
+    (tmp_path / "cpu.cfs_period_us").write_text("50000\n")  # 38000 per 50000 is still 0.76 cores
+    (tmp_path / "cpu.cfs_quota_us").write_text("38000\n")
+    assert cpu_quota_us(1.0, tmp_path) == int(0.76 * CPU_PERIOD_US)

@@ -147,3 +147,111 @@ def test_sft_max_minutes_is_checked_with_the_config():
     assert load_run_config(None, ["sft.max_minutes=12.5"]).config.sft.max_minutes == 12.5
     with pytest.raises(ConfigError, match="max_minutes"):
         load_run_config(None, ["sft.max_minutes=-1"])
+
+
+def test_rl_phase_evaluations_stay_within_the_evaluation_share():
+    from agentrl.train import evaluation_seconds
+
+    # Clean evaluations of 100 s: the final one's reserve is 1.25 x 100 + 30 = 155 s, and an RL-phase
+    # evaluation is expected to take 1.25 x that before the first one ran.
+    history = [_summary("base_tool_call", 100.0), _summary("naive_rag", 20.0), _summary("sft", 100.0)]
+    assert evaluation_seconds(history) == 220.0
+    needed = 220.0 + 1.25 * 155.0 + 155.0
+
+    def fits(max_eval_s: float, evals: list[dict] = history) -> bool:
+        return rl_eval_fits(500.0, evals, next_eval_s=0.0, rl_end_s=10_000.0, in_budget=True, max_eval_s=max_eval_s)
+
+    assert fits(needed) and not fits(needed - 1.0)
+    assert not fits(0.0)  # eval.max_share = 0: none during RL
+    # Evaluations read from the cache, reused for an unchanged policy, or diagnostics after the
+    # budget took no time of it.
+    free = [{**_summary("base_tool_call", 100.0), "cached": True}, {**_summary("final", 100.0), "repeat_of": "sft"},
+            _summary("final_without_tools", 50.0), _summary("final_transfer", 50.0)]
+    assert evaluation_seconds(free) == 0.0
+    assert evaluation_seconds([*history, *free]) == 220.0
+
+
+def test_an_evaluation_that_did_not_run_moves_no_deadline():
+    for flag in ({"cached": True}, {"repeat_of": "sft"}):
+        assert eval_extends_deadline_s({**_summary("final", 60.0), **flag}, in_budget=False) == 0.0
+
+
+def test_the_rl_shortfall_warning_names_the_budget_that_gives_rl_its_share():
+    from agentrl.train import rl_shortfall_message
+
+    # A 28-minute budget keeps 0.4 x 28 = 11.2 minutes for RL; 3 minutes are left: 8.2 more are needed.
+    text = rl_shortfall_message(180.0, 0.4, 28.0)
+    assert "the RL phase gets 3.0 minutes, less than rl_min_share = 0.4 of the 28-minute budget (11.2 minutes)" in text
+    assert "This machine needs about 8 more minutes for RL; use --minutes 37" in text
+    assert "use --minutes 40" in rl_shortfall_message(-30.0, 0.4, 28.0)  # none left at all
+
+
+def test_sft_stops_early_enough_to_leave_rl_its_share(tmp_path):
+    # The SFT cold start's stop time leaves its own evaluation, the final one and rl_min_share.
+    from agentrl.train import sft_stop_at
+
+    config = TrainConfig(minutes=30.0, rl_min_share=0.4)
+    supervisor = Supervisor(config, tmp_path)
+    supervisor._log_eval(_summary("base_tool_call", 100.0))
+    reserve = 2 * supervisor._final_eval_reserve_s() + supervisor._rl_min_s()
+    assert reserve == 2 * 155.0 + 720.0
+    assert sft_stop_at(0.0, 0.0, 1800.0, reserve) == 1800.0 - 1030.0
+    with pytest.raises(ValueError, match="rl_min_share"):
+        TrainConfig(rl_min_share=1.0)
+
+
+class _FakePool:
+    def __init__(self, version: int):
+        self.version = version
+
+    async def weight_versions(self) -> dict[str, int]:
+        return {"http://server": self.version}
+
+
+def _fake_supervisor(tmp_path, version: int, monkeypatch, calls: list):
+    from types import SimpleNamespace
+
+    import agentrl.train as train
+
+    async def fake_evaluate(conn, tasks, label, env=None, episodes=None, on_progress=None):
+        calls.append(label)
+        return {**_summary(label, 50.0), "served_version": version, "harness": "native"}, []
+
+    monkeypatch.setattr(train, "evaluate", fake_evaluate)
+    supervisor = Supervisor(TrainConfig(), tmp_path)
+    supervisor.conn = SimpleNamespace(pool=_FakePool(version), env=SimpleNamespace(report_by=()), chat=None)
+    supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[])
+    return supervisor
+
+
+async def test_an_evaluation_of_an_unchanged_policy_is_not_run_again(tmp_path, monkeypatch):
+    calls: list[str] = []
+    supervisor = _fake_supervisor(tmp_path, 25, monkeypatch, calls)
+    sft, trajs = await supervisor._evaluate_policy("sft")
+    supervisor._log_eval(sft, trajs)
+    assert calls == ["sft"] and (tmp_path / "evals" / "sft-v25.jsonl").is_file()
+    # The served version is still 25 (RL made no step): the final evaluation reuses the SFT one.
+    final, trajs = await supervisor._evaluate_policy("final")
+    assert calls == ["sft"] and trajs is None
+    assert final["label"] == "final" and final["repeat_of"] == "sft" and final["score"] == sft["score"]
+    assert (tmp_path / "evals" / "final-v25.jsonl").read_text() == (tmp_path / "evals" / "sft-v25.jsonl").read_text()
+    # Another served version is evaluated.
+    supervisor.conn.pool.version = 26
+    await supervisor._evaluate_policy("final")
+    assert calls == ["sft", "final"]
+
+
+async def test_an_rl_phase_without_time_is_skipped_with_the_warning(tmp_path, monkeypatch, capsys):
+    import time
+
+    calls: list[str] = []
+    supervisor = _fake_supervisor(tmp_path, 25, monkeypatch, calls)
+    supervisor.config.minutes = 28.0
+    supervisor._log_eval(_summary("sft", 100.0))
+    supervisor.deadline = time.monotonic() + 170.0  # the final evaluation's reserve is 155 s
+    await supervisor._rl_phase()
+    out = capsys.readouterr().out
+    assert "warning: the RL phase gets 0.2 minutes, less than rl_min_share = 0.4" in out
+    assert "RL phase skipped" in out
+    assert supervisor.phases["rl"] == {"skipped": "no time left", "rl_s": 0.0, "rl_steps": 0}
+    assert not supervisor.procs  # no learner or actor was started

@@ -69,6 +69,8 @@ max_row_tokens = 2048
 [eval]
 every_s = 100000.0
 baselines = false
+without_tools = true  # the opt-in diagnostics after the budget, guarded here
+transfer = true
 """
 
 
@@ -186,7 +188,11 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
         texts = [json.loads(line)["text"] for line in f]
     assert len(texts) == final["n"]
     episode_parts = [t.rsplit("Question: ", 1)[1] for t in texts]  # after any worked example's tool responses
-    blocks = [b for p in episode_parts for b in re.findall(r"<tool_response>\n(.*?)\n</tool_response>", p, re.S)]
+    # The tool-role messages only (what the environment sent): a `<tool_response>` block the policy
+    # writes inside its own turn is its text, whatever it says.
+    tool_messages = [m for p in episode_parts for m in re.findall(r"<\|im_start\|>tool\n(.*?)(?:<\|im_end\|>|$)", p, re.S)]
+    blocks = [b for m in tool_messages for b in re.findall(r"<tool_response>\n(.*?)\n</tool_response>", m, re.S)]
+    assert len(blocks) == len(tool_messages), tool_messages  # each tool message holds one result
     # Every tool message is an error: a call's answer says the tool is disabled; the others are the
     # environment's own (a turn with neither a call nor an answer, a malformed call).
     assert all(b.startswith('{"name": ') or b.startswith('{"error": ') for b in blocks), blocks

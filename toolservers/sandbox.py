@@ -208,6 +208,19 @@ def cgroup_roots() -> dict[str, Path]:
     return roots
 
 
+def cpu_quota_us(cpu_cores: float, parent: Path) -> int:
+    """A sandbox cgroup's cpu.cfs_quota_us for `cpu_cores` per CPU_PERIOD_US, no more than its parent
+    cgroup's own quota allows: cgroup v1 refuses (EINVAL) a child quota above its parent's, and the
+    parent's bounds the child anyway. A server in a container held to under one core (or run by
+    scripts/slow_kind.sh) otherwise could not start its sandboxes."""
+    quota_us = int(cpu_cores * CPU_PERIOD_US)
+    parent_quota_us = int((parent / "cpu.cfs_quota_us").read_text())
+    if parent_quota_us > 0:  # -1: no quota
+        parent_period_us = int((parent / "cpu.cfs_period_us").read_text())
+        quota_us = min(quota_us, parent_quota_us * CPU_PERIOD_US // parent_period_us)
+    return quota_us
+
+
 def _empty_cgroup(cgroup: Path, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     while pids := (cgroup / "cgroup.procs").read_text().split():
@@ -463,7 +476,7 @@ class PythonTool(Tool):
         (cgroups["memory"] / "memory.limit_in_bytes").write_text(str(self.config.memory_bytes))
         (cgroups["pids"] / "pids.max").write_text(str(self.config.max_processes))
         (cgroups["cpu"] / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-        (cgroups["cpu"] / "cpu.cfs_quota_us").write_text(str(int(self.config.cpu_cores * CPU_PERIOD_US)))
+        (cgroups["cpu"] / "cpu.cfs_quota_us").write_text(str(cpu_quota_us(self.config.cpu_cores, self._cgroup_roots["cpu"])))
         return cgroups
 
     def _spawn(self, slot: _Slot) -> None:

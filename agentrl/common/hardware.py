@@ -9,11 +9,16 @@ bf16 instructions (AVX-512 BF16, or AMX). Measured on this project's machines (2
   the learner's bf16-autocast step at ~21 tokens/s.
 So "auto" (the default of `TrainerConfig.precision` and of the server dtype) means bf16 on CUDA and
 on CPUs with native bf16, float32 elsewhere.
+
+`AGENTRL_CPU_BF16=0` in the environment makes a CPU with native bf16 count as one without (every
+process of a run inherits it): scripts/slow_kind.sh sets it to run the slower machine kind's recipe,
+float32 throughout, on a faster machine.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -32,8 +37,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+CPU_BF16_ENV = "AGENTRL_CPU_BF16"
+
+
 def cpu_has_fast_bf16() -> bool:
-    return any(flag in cpu_flags() for flag in BF16_CPU_FLAGS)
+    setting = os.environ.get(CPU_BF16_ENV, "")
+    if setting not in ("", "0"):
+        raise ValueError(f"{CPU_BF16_ENV}={setting!r}: only 0 (treat this CPU as one without native bf16) is accepted; "
+                         "unset it to use the CPU's own flags")
+    return setting != "0" and any(flag in cpu_flags() for flag in BF16_CPU_FLAGS)
 
 
 def auto_dtype_name(device_type: str) -> str:
