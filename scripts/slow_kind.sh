@@ -8,12 +8,12 @@
 #   learner (agentrl/common/hardware.py), as it does on that kind;
 # - slower float32 arithmetic: the command and every process it starts run in a cgroup whose CPU
 #   quota is C cores (cgroup v1 cpu.cfs_quota_us, or v2 cpu.max), shared by all of them.
-# C defaults to AGENTRL_SLOW_CORES or 1.2, calibrated on the figure of issue 24 measured on the slower
+# C defaults to AGENTRL_SLOW_CORES or 0.76, calibrated on the figure of issue 24 measured on the slower
 # kind (2-core AMD EPYC, AVX2 only): the SFT phase's learner at 265-270 training tokens/s
 # (docs/notes/issue-24.md gives the calibration runs). Needs root (it writes the cgroup).
 set -euo pipefail
 
-cores=${AGENTRL_SLOW_CORES:-1.2}
+cores=${AGENTRL_SLOW_CORES:-0.76}
 while (($#)); do
   case $1 in
     --cores) cores=$2; shift 2 ;;
