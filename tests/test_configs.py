@@ -56,9 +56,9 @@ def test_a_partial_config_changes_only_what_it_names(tmp_path):
     resolved = load_run_config(path)
     config = resolved.config
     assert config.learner.trainer.optimizer.lr == 3e-5
-    # Everything else is the embedded default's (a bare file once replaced it: held-out 96 -> 48,
+    # Everything else is the embedded default's (a bare file once replaced it: held-out 64 -> 48,
     # group size 6 -> 8, trainable layers 8 -> all).
-    assert config.tasks.options["heldout_num"] == default.tasks.options["heldout_num"] == 96
+    assert config.tasks.options["heldout_num"] == default.tasks.options["heldout_num"] == 64
     assert config.orchestrator.group_size == default.orchestrator.group_size == 6
     assert config.learner.trainer.train_layers == default.learner.trainer.train_layers == 8
     assert resolved.origins[("learner", "trainer", "optimizer", "lr")] == str(path)
@@ -112,7 +112,7 @@ def test_print_config_round_trips(capsys, tmp_path):
     assert train_main(["--print-config", "--set", "orchestrator.group_size=5"]) == 0
     text = capsys.readouterr().out
     data = tomllib.loads(text)
-    assert data["orchestrator"]["group_size"] == 5 and data["tasks"]["options"]["heldout_num"] == 96
+    assert data["orchestrator"]["group_size"] == 5 and data["tasks"]["options"]["heldout_num"] == 64
     # What a run writes as its config.toml resolves back to the same config.
     config = load_run_config().config
     written = tmp_path / "config.toml"
