@@ -433,6 +433,18 @@ class Supervisor:
         self.say(f"SFT cold start on {len(gold)} demonstrations from {source}")
         if cfg.learner.anchor_coef > 0:
             await self._write_anchor(gold, source)
+        # After SFT come its evaluation, the RL phase's share and the final evaluation.
+        reserve_s = 2 * self._final_eval_reserve_s() + self._rl_min_s()
+        stop_at = sft_stop_at(time.monotonic(), cfg.sft.max_minutes, self.deadline, reserve_s)
+        if stop_at - time.monotonic() < MIN_SFT_PHASE_S:
+            self.say(f"SFT cold start skipped: {max(stop_at - time.monotonic(), 0):.0f} s of the budget are left for it "
+                     f"(after the SFT and final evaluations and rl_min_share = {cfg.rl_min_share}), less than the "
+                     f"{MIN_SFT_PHASE_S:.0f} s a learner needs to start and make a step; a longer --minutes gives it time")
+            self._phase_done("sft", {"skipped": "no time left"})
+            return
+        self.say(f"SFT cold start: up to {cfg.sft.steps} steps, stopped after {(stop_at - time.monotonic()) / 60:.1f} "
+                 f"minutes at the latest (the SFT and final evaluations and rl_min_share = {cfg.rl_min_share} of the "
+                 "budget come after it)")
         overrides = sft_learner_overrides(cfg.sft)
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
@@ -441,12 +453,6 @@ class Supervisor:
                              curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))
         await sender.start()
         t0 = time.perf_counter()
-        # After SFT come its evaluation, the RL phase's share and the final evaluation.
-        reserve_s = 2 * self._final_eval_reserve_s() + self._rl_min_s()
-        stop_at = sft_stop_at(time.monotonic(), cfg.sft.max_minutes, self.deadline, reserve_s)
-        self.say(f"SFT cold start: up to {cfg.sft.steps} steps, stopped after {max(stop_at - time.monotonic(), 0) / 60:.1f} "
-                 f"minutes at the latest (the SFT and final evaluations and rl_min_share = {cfg.rl_min_share} of the "
-                 "budget come after it)")
         time_limited = False
         epoch = 0
         try:
@@ -634,6 +640,10 @@ CLEAN_EVALUATIONS = ("base_tool_call", "sft", "final")
 baselines such as Naive RAG run other, shorter episodes)."""
 
 
+MIN_SFT_PHASE_S = 90.0
+"""Below this much time for the SFT cold start it is skipped: a learner takes ~20-30 s to start, and
+a step of the default's ~30 s on the slower machine kind; a cold start stopped before its first step
+would leave RL no checkpoint to start from."""
 MIN_RL_PHASE_S = 60.0
 """Below this much time before the final evaluation the RL phase is not started: starting a learner
 and an actor alone takes ~20-30 s, and a step more on the slower machine kind."""

@@ -255,3 +255,24 @@ async def test_an_rl_phase_without_time_is_skipped_with_the_warning(tmp_path, mo
     assert "RL phase skipped" in out
     assert supervisor.phases["rl"] == {"skipped": "no time left", "rl_s": 0.0, "rl_steps": 0}
     assert not supervisor.procs  # no learner or actor was started
+
+
+async def test_an_sft_phase_without_time_is_skipped_before_a_learner_starts(tmp_path, monkeypatch, capsys):
+    import time
+
+    calls: list[str] = []
+    supervisor = _fake_supervisor(tmp_path, 0, monkeypatch, calls)
+    supervisor.config.learner.anchor_coef = 0.0
+    supervisor.config.minutes = 28.0
+
+    async def demonstrations():
+        return ["a demonstration"], "test"
+
+    monkeypatch.setattr(supervisor, "_demonstrations", demonstrations)
+    supervisor._log_eval(_summary("base_tool_call", 100.0))
+    # 0.4 x 28 minutes for RL and 2 x 155 s for the SFT and final evaluations: 982 s; 60 s more is
+    # less than the 90 s a learner needs.
+    supervisor.deadline = time.monotonic() + 0.4 * 28 * 60 + 2 * 155.0 + 60.0
+    await supervisor._sft_phase()
+    assert "SFT cold start skipped: " in capsys.readouterr().out
+    assert supervisor.phases["sft"] == {"skipped": "no time left"} and not supervisor.procs and not calls
