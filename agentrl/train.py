@@ -136,6 +136,10 @@ class Supervisor:
         self.setup_s = 0.0
         self.diagnostic_s = 0.0
         """Seconds of evaluations after the budget (eval.without_tools, eval.transfer), left out of minutes_after_setup."""
+        self.first_eval_of_this_process = len(self.evals)
+        """Evaluations before this index were read back on --resume: another server process measured
+        them (a resumed run's fresh server serves version 0 until a learner pushes), and another
+        slice of the budget paid for them."""
         self.eval_episodes = None
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
         self._curve: tuple[dict, dict] | None = None
@@ -373,15 +377,22 @@ class Supervisor:
         """(cache folder, key, key inputs) of the untrained policy's evaluations (agentrl/evalcache.py),
         or None where the cache does not apply: turned off, servers given with --vllm, an [agent]."""
         cfg = self.config
-        if not cfg.eval.cache_baselines or cfg.services.vllm or cfg.agent.enabled:
+        # Servers and tools from outside the run (--vllm, --tool-endpoint, [[tools]]) may change
+        # without anything in the key changing.
+        if (not cfg.eval.cache_baselines or cfg.services.vllm or cfg.services.tool_endpoints or cfg.tools
+                or cfg.agent.enabled):
             return None
+        import inspect
+
         from agentrl import evalcache
         from agentrl.engine.serve import cfg_dtype
 
+        env_source = Path(inspect.getsourcefile(env_class(cfg.env)))  # a plug-in environment's own file
         inputs = evalcache.key_inputs(
             model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_dtype), max_model_len=cfg.services.max_model_len,
             env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self.heldout],
-            decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [])
+            decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [],
+            files=[env_source, *([self.taskset.corpus] if self.taskset.corpus else [])])
         return evalcache.default_cache_dir(cfg.eval.cache_dir), evalcache.cache_key(inputs), inputs
 
     async def _baseline_phase(self) -> None:
@@ -408,7 +419,10 @@ class Supervisor:
             for name, (baseline, _) in (await evaluate_baselines(self.conn, self.heldout)).items():
                 self._log_eval(baseline)
                 result["baselines"][name] = baseline
-        if cache is not None:
+        failed = summary["num_failed"] + sum(b["num_failed"] for b in result["baselines"].values())
+        if cache is not None and failed:
+            self.say(f"baseline evaluations not cached: {failed} episodes failed (a tool or server fault is not a result to keep)")
+        elif cache is not None:
             name = f"base_tool_call-v{summary['served_version']}"
             files = [f for f in (f"evals/{name}.jsonl", f"evals/{name}.text.jsonl.gz", "trajectories_base.jsonl")
                      if (self.out / f).is_file()]
@@ -535,7 +549,7 @@ class Supervisor:
         rl_s = self.deadline - self._final_eval_reserve_s() - time.monotonic()
         if rl_s < self._rl_min_s():
             self.say(rl_shortfall_message(rl_s, cfg.rl_min_share, cfg.minutes))
-        if rl_s < MIN_RL_PHASE_S:
+        if rl_s < MIN_RL_PHASE_S and not self.resume:  # resumed: its learner pushes the run's checkpoint to the new server
             self.say(f"RL phase skipped: {max(rl_s, 0):.0f} s of the budget are left before the final evaluation, "
                      f"less than the {MIN_RL_PHASE_S:.0f} s a learner and an actor need to make a step")
             self._phase_done("rl", {"skipped": "no time left", "rl_s": 0.0, "rl_steps": 0})
@@ -549,6 +563,7 @@ class Supervisor:
         actor_path = self._actor_config(data)
         self._phase("rl")
         rl_start = time.monotonic()
+        rl_eval_s = 0.0  # the RL-phase evaluations' time, counted with the evaluations
         learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
@@ -573,19 +588,27 @@ class Supervisor:
                              "it resumes from its checkpoint")
                     self.procs.remove(learner)
                     learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
-                if rl_eval_fits(time.monotonic(), self.evals, next_eval_s=next_eval, rl_end_s=rl_end(),
-                                in_budget=cfg.eval.in_budget, max_eval_s=cfg.eval.max_share * cfg.minutes * 60):
+                max_eval_s = cfg.eval.max_share * cfg.minutes * 60 if cfg.eval.in_budget else math.inf
+                if rl_eval_fits(time.monotonic(), self.evals[self.first_eval_of_this_process:], next_eval_s=next_eval,
+                                rl_end_s=rl_end(), in_budget=cfg.eval.in_budget, max_eval_s=max_eval_s):
+                    t_eval = time.monotonic()
                     summary, trajs = await self._evaluate(self.heldout, "rl")
                     self._log_eval(summary, trajs)
+                    rl_eval_s += time.monotonic() - t_eval
                     next_eval = time.monotonic() + cfg.eval.every_s
         finally:
             # In threads: the event loop must keep answering the tool services' heartbeats.
             await asyncio.to_thread(actor.stop, 30)
             await asyncio.to_thread(learner.stop, 120)
+        from agentrl.learner.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
+
         first_version = self.phases.get("sft", {}).get("steps_done", 0) if "init_checkpoint" in overrides else 0
-        last_version = _last_metrics(self.out / "rl" / "metrics.jsonl").get("step", first_version)
+        # The latest checkpoint's step, not the last metrics line: a learner killed mid-run leaves
+        # lines of steps its successor redoes or never reaches.
+        checkpoints = checkpoint_dirs(self.out / "rl" / "checkpoints")
+        last_version = int(checkpoints[-1].name[len(CHECKPOINT_PREFIX):]) if checkpoints else first_version
         self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll(),
-                                "rl_s": time.monotonic() - rl_start, "rl_steps": last_version - first_version,
+                                "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
                                 "first_version": first_version, "last_version": last_version})
 
     def _final_eval_reserve_s(self) -> float:
@@ -612,10 +635,12 @@ class Supervisor:
         """The held-out evaluation `label` of the served policy, unless the latest clean evaluation
         (baseline, after SFT, final) measured the same served version: the same weights, prompt,
         tasks and greedy decoding give the same result, so that one is reused (its per-task files
-        copied under this label) and nothing runs. (None, trajectories) are returned then."""
+        copied under this label) and nothing runs: (that summary, None) is returned then. Only this
+        process's evaluations count (`first_eval_of_this_process`)."""
         versions = list((await self.conn.pool.weight_versions()).values())
         served = max(versions) if versions else -1
-        same = [e for e in self.evals if e.get("label") in CLEAN_EVALUATIONS and e.get("served_version") == served
+        same = [e for e in self.evals[self.first_eval_of_this_process:]
+                if e.get("label") in CLEAN_EVALUATIONS and e.get("served_version") == served
                 and e.get("harness", "native") == ("native" if self.eval_episodes is None else "agent")]
         if not same:
             return await self._evaluate(self.heldout, label)
@@ -662,8 +687,8 @@ def rl_shortfall_message(rl_s: float, rl_min_share: float, minutes: float) -> st
     need_s = rl_min_share * minutes * 60
     more_min = (need_s - max(rl_s, 0.0)) / 60
     return (f"warning: the RL phase gets {max(rl_s, 0) / 60:.1f} minutes, less than rl_min_share = {rl_min_share} of the "
-            f"{minutes:g}-minute budget ({need_s / 60:.1f} minutes): the evaluations and the SFT cold start took the rest "
-            f"on this machine. This machine needs about {more_min:.0f} more minutes for RL; use "
+            f"{minutes:g}-minute budget ({need_s / 60:.1f} minutes): what came before it (evaluations, the SFT cold start) "
+            f"took the rest on this machine. This machine needs about {more_min:.0f} more minutes for RL; use "
             f"--minutes {math.ceil(minutes + more_min)}")
 
 
@@ -843,7 +868,13 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
     from agentrl.export import export
     from agentrl.report import eval_records, no_rl_reason, paired_by, paired_comparison, write_report
 
-    hf = export(out, out / "hf")
+    from agentrl.learner.checkpoint import checkpoint_dirs
+
+    if checkpoint_dirs(out / "rl" / "checkpoints") or checkpoint_dirs(out / "sft" / "checkpoints"):
+        hf = str(export(out, out / "hf"))
+    else:  # neither SFT nor RL made a step: the initial model folder is the policy
+        hf = None
+        supervisor.say(f"nothing exported: no step was trained; the policy is the initial model {supervisor.model_dir}")
     report = write_report(out)
     base = phases["baseline"]["base_tool_call"]
     final = phases["final"]
@@ -870,7 +901,7 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         "diagnostic_minutes": round(supervisor.diagnostic_s / 60, 2),
         "baselines_cached": "cached" in phases["baseline"],
         "report": str(report),
-        "hf": str(hf),
+        "hf": hf,
         "out": str(out),
     }
     if not summary["rl_ran"]:
@@ -895,7 +926,7 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         for key in sorted(k for k in transfer if k.startswith("by_")):
             summary[f"{final['score_metric']}_after_transfer_{key.replace('by_num_', 'by_')}"] = {
                 v: round(c["score"], 4) for v, c in transfer[key].items()}
-    if "score" in sft:
+    if "score" in sft and summary["rl_ran"]:
         paired = paired_comparison(eval_records(out, "sft", sft), eval_records(out, "final", final))
         if paired:
             summary |= {"rl_vs_sft_gained": paired["gained"], "rl_vs_sft_lost": paired["lost"],

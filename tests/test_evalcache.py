@@ -52,7 +52,7 @@ def test_every_input_that_determines_the_result_changes_the_key(model, tmp_path)
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
     # The code that serves and scores is in it too: vLLM's and torch's versions, agentrl's sources.
     base = _inputs(model)
-    for name in ("vllm", "torch", "agentrl_source"):
+    for name in ("vllm", "torch", "transformers", "agentrl_source", "hardware"):
         assert base[name] and evalcache.cache_key({**base, name: "something else"}) != key
     # A file renamed inside the model folder (e.g. another tokenizer file) changes it as well.
     (model / "model.safetensors").rename(model / "weights.safetensors")
@@ -83,16 +83,17 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
     import agentrl.train as train
 
     calls: list[str] = []
+    failed_episodes = 0
 
     async def fake_evaluate(conn, tasks, label, env=None, episodes=None, on_progress=None):
         calls.append(label)
         return {"label": label, "score": 0.125, "score_metric": "em", "n": 8, "served_version": 0, "eval_s": 265.0,
-                "time": 1.0}, []
+                "time": 1.0, "num_failed": failed_episodes}, []
 
     async def fake_baselines(conn, tasks):
         calls.append("naive_rag")
         return {"naive_rag": ({"label": "naive_rag", "score": 0.25, "score_metric": "em", "n": 8, "served_version": 0,
-                               "eval_s": 64.0, "time": 1.0}, [])}
+                               "eval_s": 64.0, "time": 1.0, "num_failed": 0}, [])}
 
     monkeypatch.setattr(train, "evaluate", fake_evaluate)
     monkeypatch.setattr(train, "evaluate_baselines", fake_baselines)
@@ -105,8 +106,11 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
         (tmp_path / name).mkdir()
         supervisor.model_dir = str(model)
         supervisor.conn = SimpleNamespace(env=SimpleNamespace(report_by=()), chat=None)
-        supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[])
+        supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[], corpus=corpus)
         return supervisor
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "text": "Oska Venn was born in Lorrowby."}\n')
 
     first = run("first")
     await first._baseline_phase()
@@ -124,9 +128,24 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
     third = run("third")
     await third._baseline_phase()
     assert calls == ["base_tool_call", "naive_rag"] * 2 and "cached" not in third.phases["baseline"]
-    # Switched off, or with servers the run did not start: never read.
+    # Another search corpus behind the same questions: evaluated again.
+    corpus.write_text('{"id": "1", "text": "Oska Venn was born in Tessat."}\n')
+    await run("fourth")._baseline_phase()
+    assert calls == ["base_tool_call", "naive_rag"] * 3
+    # A result with failed episodes is not kept: the next run evaluates again.
+    corpus.write_text('{"id": "1", "text": "Oska Venn was born in Marrow."}\n')
+    failed_episodes = 2
+    await run("fifth")._baseline_phase()
+    failed_episodes = 0
+    await run("sixth")._baseline_phase()
+    assert calls == ["base_tool_call", "naive_rag"] * 5
+    # Switched off, or with servers or tools the run did not start: never read.
     config.eval.cache_baselines = False
     assert run("off")._baseline_cache() is None
     config.eval.cache_baselines = True
+    assert run("on")._baseline_cache() is not None
+    config.services.tool_endpoints = ["tcp://10.0.0.2:5555"]
+    assert run("endpoint")._baseline_cache() is None
+    config.services.tool_endpoints = []
     config.services.vllm = ["http://127.0.0.1:8000"]
     assert run("given")._baseline_cache() is None

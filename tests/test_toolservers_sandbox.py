@@ -308,3 +308,9 @@ def test_a_sandbox_cpu_quota_never_exceeds_its_parent_cgroups(tmp_path):
     (tmp_path / "cpu.cfs_period_us").write_text("50000\n")  # 38000 per 50000 is still 0.76 cores
     (tmp_path / "cpu.cfs_quota_us").write_text("38000\n")
     assert cpu_quota_us(1.0, tmp_path) == int(0.76 * CPU_PERIOD_US)
+    # A parent without a quota of its own under an ancestor with one: the ancestor's bounds it.
+    child = tmp_path / "service"
+    child.mkdir()
+    (child / "cpu.cfs_quota_us").write_text("-1\n")
+    (child / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota_us(1.0, child) == int(0.76 * CPU_PERIOD_US)

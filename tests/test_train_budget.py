@@ -239,6 +239,12 @@ async def test_an_evaluation_of_an_unchanged_policy_is_not_run_again(tmp_path, m
     supervisor.conn.pool.version = 26
     await supervisor._evaluate_policy("final")
     assert calls == ["sft", "final"]
+    # A resumed run's evaluations were another server's: its fresh server at version 26 is evaluated.
+    resumed = _fake_supervisor(tmp_path, 26, monkeypatch, calls)
+    resumed.evals = supervisor.evals
+    resumed.first_eval_of_this_process = len(resumed.evals)
+    await resumed._evaluate_policy("final")
+    assert calls == ["sft", "final", "final"]
 
 
 async def test_an_rl_phase_without_time_is_skipped_with_the_warning(tmp_path, monkeypatch, capsys):

@@ -192,7 +192,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     # writes inside its own turn is its text, whatever it says.
     tool_messages = [m for p in episode_parts for m in re.findall(r"<\|im_start\|>tool\n(.*?)(?:<\|im_end\|>|$)", p, re.S)]
     blocks = [b for m in tool_messages for b in re.findall(r"<tool_response>\n(.*?)\n</tool_response>", m, re.S)]
-    assert len(blocks) == len(tool_messages), tool_messages  # each tool message holds one result
+    assert tool_messages and len(blocks) == len(tool_messages), tool_messages  # each tool message holds one result
     # Every tool message is an error: a call's answer says the tool is disabled; the others are the
     # environment's own (a turn with neither a call nor an answer, a malformed call).
     assert all(b.startswith('{"name": ') or b.startswith('{"error": ') for b in blocks), blocks

@@ -209,15 +209,19 @@ def cgroup_roots() -> dict[str, Path]:
 
 
 def cpu_quota_us(cpu_cores: float, parent: Path) -> int:
-    """A sandbox cgroup's cpu.cfs_quota_us for `cpu_cores` per CPU_PERIOD_US, no more than its parent
-    cgroup's own quota allows: cgroup v1 refuses (EINVAL) a child quota above its parent's, and the
-    parent's bounds the child anyway. A server in a container held to under one core (or run by
-    scripts/slow_kind.sh) otherwise could not start its sandboxes."""
+    """A sandbox cgroup's cpu.cfs_quota_us for `cpu_cores` per CPU_PERIOD_US, no more than the
+    quota of its parent cgroup or of any cgroup above it allows: cgroup v1 refuses (EINVAL) a child
+    quota above the nearest one set above it, and that one bounds the child anyway. A server in a
+    container held to under one core (or run by scripts/slow_kind.sh) otherwise could not start its
+    sandboxes."""
     quota_us = int(cpu_cores * CPU_PERIOD_US)
-    parent_quota_us = int((parent / "cpu.cfs_quota_us").read_text())
-    if parent_quota_us > 0:  # -1: no quota
-        parent_period_us = int((parent / "cpu.cfs_period_us").read_text())
-        quota_us = min(quota_us, parent_quota_us * CPU_PERIOD_US // parent_period_us)
+    group = parent
+    while (group / "cpu.cfs_quota_us").is_file():
+        group_quota_us = int((group / "cpu.cfs_quota_us").read_text())
+        if group_quota_us > 0:  # -1: no quota of its own
+            group_period_us = int((group / "cpu.cfs_period_us").read_text())
+            quota_us = min(quota_us, group_quota_us * CPU_PERIOD_US // group_period_us)
+        group = group.parent
     return quota_us
 
 
