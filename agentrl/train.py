@@ -866,9 +866,8 @@ def _run(args: argparse.Namespace, config: TrainConfig, out: Path, fresh: bool, 
 def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: float) -> dict:
     """Export the policy, write the report, and the run's summary (the JSON line)."""
     from agentrl.export import export
-    from agentrl.report import eval_records, no_rl_reason, paired_by, paired_comparison, write_report
-
     from agentrl.learner.checkpoint import checkpoint_dirs
+    from agentrl.report import eval_records, no_rl_reason, paired_by, paired_comparison, write_report
 
     if checkpoint_dirs(out / "rl" / "checkpoints") or checkpoint_dirs(out / "sft" / "checkpoints"):
         hf = str(export(out, out / "hf"))
