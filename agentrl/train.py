@@ -392,7 +392,7 @@ class Supervisor:
             model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_dtype), max_model_len=cfg.services.max_model_len,
             env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self.heldout],
             decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [],
-            files=[env_source, *([self.taskset.corpus] if self.taskset.corpus else [])])
+            files={"env_source": env_source, **({"corpus": self.taskset.corpus} if self.taskset.corpus else {})})
         return evalcache.default_cache_dir(cfg.eval.cache_dir), evalcache.cache_key(inputs), inputs
 
     async def _baseline_phase(self) -> None:

@@ -52,8 +52,9 @@ def test_every_input_that_determines_the_result_changes_the_key(model, tmp_path)
     assert key not in keys.values() and len(set(keys.values())) == len(keys), keys
     # The code that serves and scores is in it too: vLLM's and torch's versions, agentrl's sources.
     base = _inputs(model)
-    for name in ("vllm", "torch", "transformers", "agentrl_source", "hardware"):
-        assert base[name] and evalcache.cache_key({**base, name: "something else"}) != key
+    assert base["vllm"] or base["vllm_cuda"]
+    for name in ("vllm", "vllm_cuda", "torch", "transformers", "agentrl_source", "hardware"):
+        assert evalcache.cache_key({**base, name: "something else"}) != key
     # A file renamed inside the model folder (e.g. another tokenizer file) changes it as well.
     (model / "model.safetensors").rename(model / "weights.safetensors")
     assert evalcache.cache_key(_inputs(model)) != key
@@ -106,11 +107,12 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
         (tmp_path / name).mkdir()
         supervisor.model_dir = str(model)
         supervisor.conn = SimpleNamespace(env=SimpleNamespace(report_by=()), chat=None)
-        supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[], corpus=corpus)
+        # Each run writes its own copy of the corpus (as the synthetic loader does): same contents, same key.
+        (tmp_path / name / "corpus.jsonl").write_text(corpus_text)
+        supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[], corpus=tmp_path / name / "corpus.jsonl")
         return supervisor
 
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"id": "1", "text": "Oska Venn was born in Lorrowby."}\n')
+    corpus_text = '{"id": "1", "text": "Oska Venn was born in Lorrowby."}\n'
 
     first = run("first")
     await first._baseline_phase()
@@ -129,11 +131,11 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
     await third._baseline_phase()
     assert calls == ["base_tool_call", "naive_rag"] * 2 and "cached" not in third.phases["baseline"]
     # Another search corpus behind the same questions: evaluated again.
-    corpus.write_text('{"id": "1", "text": "Oska Venn was born in Tessat."}\n')
+    corpus_text = '{"id": "1", "text": "Oska Venn was born in Tessat."}\n'
     await run("fourth")._baseline_phase()
     assert calls == ["base_tool_call", "naive_rag"] * 3
     # A result with failed episodes is not kept: the next run evaluates again.
-    corpus.write_text('{"id": "1", "text": "Oska Venn was born in Marrow."}\n')
+    corpus_text = '{"id": "1", "text": "Oska Venn was born in Marrow."}\n'
     failed_episodes = 2
     await run("fifth")._baseline_phase()
     failed_episodes = 0
