@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from agentrl.common.files import sha256_update, write_atomic
+
 ENTRY = "entry.json"
 FORMAT = 1
 """Bumped when what an entry holds changes."""
@@ -48,19 +50,25 @@ def default_cache_dir(configured: str = "") -> Path:
     return Path.home() / ".cache" / "agentrl"
 
 
-def _hash_file(path: Path, digest) -> None:
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-
-
-def folder_digest(folder: Path) -> str:
-    """SHA-256 over every file of `folder` (relative names and contents, in name order)."""
+def folder_digest(folder: Path, memo_dir: Path | None = None) -> str:
+    """SHA-256 over every file of `folder` (relative names and contents, in name order). With
+    `memo_dir`, a folder whose files have the same names, sizes and modification times as when it
+    was last hashed is not read again (a model's weights are GBs; this runs before every run)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    memo = None
+    if memo_dir is not None:
+        stats = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        memo = memo_dir / "digests" / hashlib.sha256(json.dumps([str(folder.resolve()), stats]).encode()).hexdigest()
+        if memo.is_file():
+            return memo.read_text().strip()
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+    for path in files:
         digest.update(str(path.relative_to(folder)).encode() + b"\0")
-        _hash_file(path, digest)
+        sha256_update(digest, path)
         digest.update(b"\0")
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(memo, digest.hexdigest().encode())
     return digest.hexdigest()
 
 
@@ -75,7 +83,7 @@ def source_digest() -> str:
         base = Path(importlib.import_module(package).__file__).parent
         for path in sorted(base.rglob("*.py")):
             digest.update(f"{package}/{path.relative_to(base)}".encode() + b"\0")
-            _hash_file(path, digest)
+            sha256_update(digest, path)
     return digest.hexdigest()
 
 
@@ -84,12 +92,6 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    _hash_file(path, digest)
-    return digest.hexdigest()
 
 
 def hardware() -> dict[str, Any]:
@@ -112,13 +114,15 @@ def hardware() -> dict[str, Any]:
 
 
 def key_inputs(*, model_dir: str | Path, dtype: str, max_model_len: int, env: dict, prompt: dict, tasks: list,
-               decoding: dict, baselines: list[str], files: dict[str, Path] | None = None) -> dict[str, Any]:
+               decoding: dict, baselines: list[str], files: dict[str, Path] | None = None,
+               memo_dir: Path | None = None) -> dict[str, Any]:
     """Everything that determines the untrained policy's evaluations, as JSON-able values. `files`:
-    further files whose contents count, by role (a plug-in environment's source, the search corpus)."""
+    further files whose contents count, by role (a plug-in environment's source, the search corpus);
+    `memo_dir`: where the model folder's digest is remembered (`folder_digest`)."""
     files = files or {}
     return {
         "format": FORMAT,
-        "model": folder_digest(Path(model_dir)),
+        "model": folder_digest(Path(model_dir), memo_dir),
         "dtype": dtype,
         "max_model_len": max_model_len,
         "hardware": hardware(),
@@ -128,7 +132,7 @@ def key_inputs(*, model_dir: str | Path, dtype: str, max_model_len: int, env: di
         "vllm_cuda": _version("vllm"),
         "agentrl_source": source_digest(),
         # By role, not path: the synthetic loader writes its corpus into each run's own folder.
-        "files": {role: file_digest(Path(path)) for role, path in files.items()},
+        "files": {role: sha256_update(hashlib.sha256(), Path(path)).hexdigest() for role, path in files.items()},
         "env": env,
         "prompt": prompt,
         "tasks": tasks,

@@ -18,9 +18,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from agentrl.common.files import read_jsonl  # noqa: E402
 
-DIAGNOSTICS = ("final_without_tools", "final_transfer")
-"""Evaluations after the budget on another environment or task set: not points of the score curves."""
-
 
 def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
     series = {k: v for k, v in series.items() if v[0]}
@@ -92,8 +89,10 @@ def no_rl_reason(phases: dict) -> str:
 
 def time_table(phases: dict, evals: list[dict]) -> list[str]:
     """Markdown: minutes of each phase of the budget (evaluations apart from training)."""
+    from agentrl.train import evaluation_seconds
+
     def minutes(label: str) -> float:
-        return sum(e.get("eval_s", 0.0) for e in evals if e.get("label") == label and not e.get("cached") and not e.get("repeat_of")) / 60
+        return evaluation_seconds([e for e in evals if e.get("label") == label], diagnostics=True) / 60
 
     base = phases.get("baseline", {})
     rows = [("held-out evaluations before training" + (" (read from the cache)" if base.get("cached") else ""),
@@ -141,6 +140,8 @@ def write_report(run_dir: str | Path) -> Path:
 
     t0 = min((e["time"] for e in evals), default=0.0)
     baselines = set(phases.get("baseline", {}).get("baselines", {}))
+    from agentrl.train import DIAGNOSTICS  # not points of the score curves
+
     tracked = [e for e in evals if e["label"] not in baselines and e["label"] not in DIAGNOSTICS]
     metric = phases.get("final", {}).get("score_metric") or (tracked[0].get("score_metric", "score") if tracked else "score")
     curves = {metric: ([(e["time"] - t0) / 60 for e in tracked], [e["score"] for e in tracked])}

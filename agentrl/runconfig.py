@@ -107,14 +107,14 @@ class EvalConfig:
     tasks and the decoding (agentrl/evalcache.py). Never with an `[agent]`."""
     cache_dir: str = ""
     """Where cached evaluations are kept; empty: $AGENTRL_CACHE_DIR, else ~/.cache/agentrl."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.max_share <= 1:
-            raise ValueError(f"eval.max_share={self.max_share} must be in [0, 1]")
     in_budget: bool = True
     """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
     (the evaluations before, between and after extend the run): benchmarks/vs_trl.py compares
     training time with a trainer that evaluates outside its budget."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_share <= 1:
+            raise ValueError(f"eval.max_share={self.max_share} must be in [0, 1]")
 
 
 @config_dataclass

@@ -387,20 +387,24 @@ class Supervisor:
         from agentrl import evalcache
         from agentrl.engine.serve import cfg_dtype
 
-        env_source = Path(inspect.getsourcefile(env_class(cfg.env)))  # a plug-in environment's own file
+        env_source = inspect.getsourcefile(env_class(cfg.env))  # a plug-in environment's own file
+        if env_source is None:  # no source to hash (a compiled module): nothing to key its behaviour on
+            return None
+        cache_dir = evalcache.default_cache_dir(cfg.eval.cache_dir)
         inputs = evalcache.key_inputs(
             model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_dtype), max_model_len=cfg.services.max_model_len,
             env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self.heldout],
             decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [],
-            files={"env_source": env_source, **({"corpus": self.taskset.corpus} if self.taskset.corpus else {})})
-        return evalcache.default_cache_dir(cfg.eval.cache_dir), evalcache.cache_key(inputs), inputs
+            files={"env_source": Path(env_source), **({"corpus": self.taskset.corpus} if self.taskset.corpus else {})},
+            memo_dir=cache_dir)
+        return cache_dir, evalcache.cache_key(inputs), inputs
 
     async def _baseline_phase(self) -> None:
         """Base Tool Call and the environment's baselines on the held-out tasks, or their cached
         results from an earlier run with the same key."""
         from agentrl import evalcache
 
-        cache = self._baseline_cache()
+        cache = await asyncio.to_thread(self._baseline_cache)  # hashes files: the event loop keeps answering heartbeats
         if cache is not None and (entry := evalcache.lookup(cache[0], cache[1])) is not None:
             evalcache.restore(entry, self.out)
             cached = entry["summaries"]
@@ -600,13 +604,13 @@ class Supervisor:
             # In threads: the event loop must keep answering the tool services' heartbeats.
             await asyncio.to_thread(actor.stop, 30)
             await asyncio.to_thread(learner.stop, 120)
-        from agentrl.learner.checkpoint import CHECKPOINT_PREFIX, checkpoint_dirs
+        from agentrl.learner.checkpoint import checkpoint_dirs, checkpoint_step
 
         first_version = self.phases.get("sft", {}).get("steps_done", 0) if "init_checkpoint" in overrides else 0
         # The latest checkpoint's step, not the last metrics line: a learner killed mid-run leaves
         # lines of steps its successor redoes or never reaches.
         checkpoints = checkpoint_dirs(self.out / "rl" / "checkpoints")
-        last_version = int(checkpoints[-1].name[len(CHECKPOINT_PREFIX):]) if checkpoints else first_version
+        last_version = checkpoint_step(checkpoints[-1]) if checkpoints else first_version
         self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll(),
                                 "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
                                 "first_version": first_version, "last_version": last_version})
@@ -674,11 +678,15 @@ MIN_RL_PHASE_S = 60.0
 and an actor alone takes ~20-30 s, and a step more on the slower machine kind."""
 
 
-def evaluation_seconds(evals: list[dict]) -> float:
-    """Seconds the run spent evaluating in its budget: every held-out evaluation it ran, not the
-    ones read from the cache or reused for an unchanged policy, nor the diagnostics after the budget."""
+DIAGNOSTICS = ("final_without_tools", "final_transfer")
+"""Evaluations after the budget (eval.without_tools, eval.transfer), on another environment or task set."""
+
+
+def evaluation_seconds(evals: list[dict], *, diagnostics: bool = False) -> float:
+    """Seconds spent in the evaluations `evals` that ran: not the ones read from the cache or
+    reused for an unchanged policy; the diagnostics after the budget only with `diagnostics`."""
     return sum(float(e.get("eval_s", 0.0)) for e in evals
-               if not e.get("cached") and not e.get("repeat_of") and e.get("label") not in ("final_without_tools", "final_transfer"))
+               if not e.get("cached") and not e.get("repeat_of") and (diagnostics or e.get("label") not in DIAGNOSTICS))
 
 
 def rl_shortfall_message(rl_s: float, rl_min_share: float, minutes: float) -> str:

@@ -78,12 +78,17 @@ def to_cpu(obj: Any) -> Any:
     return move(obj)
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder (`step-00000028`) holds."""
+    return int(path.name[len(CHECKPOINT_PREFIX):])
+
+
 def checkpoint_dirs(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and (p / "state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    return sorted(found, key=checkpoint_step)
 
 
 def save_checkpoint(root: Path, step: int, state: dict[str, Any], *, keep: int) -> Path:

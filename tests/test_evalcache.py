@@ -151,3 +151,15 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
     config.services.tool_endpoints = []
     config.services.vllm = ["http://127.0.0.1:8000"]
     assert run("given")._baseline_cache() is None
+
+
+def test_a_model_folder_is_read_again_only_when_its_files_change(model, tmp_path, monkeypatch):
+    memo = tmp_path / "memo"
+    first = evalcache.folder_digest(model, memo)
+    assert first == evalcache.folder_digest(model)  # the same digest with or without the memo
+    reads: list = []
+    real = evalcache.sha256_update
+    monkeypatch.setattr(evalcache, "sha256_update", lambda digest, path: reads.append(path) or real(digest, path))
+    assert evalcache.folder_digest(model, memo) == first and reads == []  # unchanged: not read
+    (model / "model.safetensors").write_bytes(b"\x02" * 64)  # same size, new contents and time
+    assert evalcache.folder_digest(model, memo) != first and reads

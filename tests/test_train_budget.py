@@ -186,18 +186,11 @@ def test_the_rl_shortfall_warning_names_the_budget_that_gives_rl_its_share():
     assert "use --minutes 40" in rl_shortfall_message(-30.0, 0.4, 28.0)  # none left at all
 
 
-def test_sft_stops_early_enough_to_leave_rl_its_share(tmp_path):
-    # The SFT cold start's stop time leaves its own evaluation, the final one and rl_min_share.
-    from agentrl.train import sft_stop_at
-
-    config = TrainConfig(minutes=30.0, rl_min_share=0.4)
-    supervisor = Supervisor(config, tmp_path)
-    supervisor._log_eval(_summary("base_tool_call", 100.0))
-    reserve = 2 * supervisor._final_eval_reserve_s() + supervisor._rl_min_s()
-    assert reserve == 2 * 155.0 + 720.0
-    assert sft_stop_at(0.0, 0.0, 1800.0, reserve) == 1800.0 - 1030.0
+def test_rl_min_share_must_leave_room_for_the_rest():
     with pytest.raises(ValueError, match="rl_min_share"):
         TrainConfig(rl_min_share=1.0)
+    with pytest.raises(ValueError, match="rl_min_share"):
+        TrainConfig(rl_min_share=-0.1)
 
 
 class _FakePool:

@@ -31,6 +31,7 @@ from pathlib import Path
 import bm25s
 from bm25s.tokenization import Tokenizer
 
+from agentrl.common.files import sha256_update
 from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -122,10 +123,7 @@ class SearchTool(Tool):
         )
 
     def _cache_key(self) -> str:
-        h = hashlib.sha256()
-        with open(self.config.corpus_path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
+        h = sha256_update(hashlib.sha256(), Path(self.config.corpus_path))
         h.update(f"bm25s={bm25s.__version__};stopwords=en;k1={self.config.k1};b={self.config.b}".encode())
         return h.hexdigest()[:32]
 

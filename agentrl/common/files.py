@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -41,3 +42,11 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line") from err
     return records
+
+
+def sha256_update(digest: hashlib._Hash, path: Path) -> hashlib._Hash:
+    """Feed the contents of the file `path` into `digest`, in 4 MiB blocks; returns `digest`."""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest
