@@ -18,6 +18,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from agentrl.common.files import read_jsonl  # noqa: E402
 
+DIAGNOSTICS = ("final_without_tools", "final_transfer")
+"""Evaluations after the budget (eval.without_tools, eval.transfer) on another environment or task
+set: not in the budget's evaluation time, not points of the score curves."""
+
+
+def evaluation_seconds(evals: list[dict], *, diagnostics: bool = False) -> float:
+    """Seconds spent in the evaluations `evals` that ran: not the ones read from the cache or
+    reused for an unchanged policy; the diagnostics after the budget only with `diagnostics`."""
+    return sum(float(e.get("eval_s", 0.0)) for e in evals
+               if not e.get("cached") and not e.get("repeat_of") and (diagnostics or e.get("label") not in DIAGNOSTICS))
+
 
 def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
     series = {k: v for k, v in series.items() if v[0]}
@@ -89,8 +100,6 @@ def no_rl_reason(phases: dict) -> str:
 
 def time_table(phases: dict, evals: list[dict]) -> list[str]:
     """Markdown: minutes of each phase of the budget (evaluations apart from training)."""
-    from agentrl.train import evaluation_seconds
-
     def minutes(label: str) -> float:
         return evaluation_seconds([e for e in evals if e.get("label") == label], diagnostics=True) / 60
 
@@ -140,8 +149,6 @@ def write_report(run_dir: str | Path) -> Path:
 
     t0 = min((e["time"] for e in evals), default=0.0)
     baselines = set(phases.get("baseline", {}).get("baselines", {}))
-    from agentrl.train import DIAGNOSTICS  # not points of the score curves
-
     tracked = [e for e in evals if e["label"] not in baselines and e["label"] not in DIAGNOSTICS]
     metric = phases.get("final", {}).get("score_metric") or (tracked[0].get("score_metric", "score") if tracked else "score")
     curves = {metric: ([(e["time"] - t0) / 60 for e in tracked], [e["score"] for e in tracked])}

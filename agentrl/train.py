@@ -678,17 +678,6 @@ MIN_RL_PHASE_S = 60.0
 and an actor alone takes ~20-30 s, and a step more on the slower machine kind."""
 
 
-DIAGNOSTICS = ("final_without_tools", "final_transfer")
-"""Evaluations after the budget (eval.without_tools, eval.transfer), on another environment or task set."""
-
-
-def evaluation_seconds(evals: list[dict], *, diagnostics: bool = False) -> float:
-    """Seconds spent in the evaluations `evals` that ran: not the ones read from the cache or
-    reused for an unchanged policy; the diagnostics after the budget only with `diagnostics`."""
-    return sum(float(e.get("eval_s", 0.0)) for e in evals
-               if not e.get("cached") and not e.get("repeat_of") and (diagnostics or e.get("label") not in DIAGNOSTICS))
-
-
 def rl_shortfall_message(rl_s: float, rl_min_share: float, minutes: float) -> str:
     """What a run says before an RL phase shorter than rl_min_share of the budget: how much more
     time RL needs on this machine and the --minutes that gives it."""
@@ -737,6 +726,8 @@ def rl_eval_fits(now_s: float, evals: list[dict], *, next_eval_s: float, rl_end_
     stay within `max_eval_s` (eval.max_share of the budget). Before the first, the final-evaluation
     reserve stands in for it (an RL-phase evaluation runs beside the actor and the learner, so longer
     than a clean one)."""
+    from agentrl.report import evaluation_seconds
+
     rl_durations = [e["eval_s"] for e in evals if e.get("label") == "rl" and "eval_s" in e]
     reserve_s = final_eval_reserve_s(evals, in_budget=in_budget)
     expected_s = 1.25 * (rl_durations[-1] if rl_durations else reserve_s)
@@ -875,7 +866,14 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
     """Export the policy, write the report, and the run's summary (the JSON line)."""
     from agentrl.export import export
     from agentrl.learner.checkpoint import checkpoint_dirs
-    from agentrl.report import eval_records, no_rl_reason, paired_by, paired_comparison, write_report
+    from agentrl.report import (
+        eval_records,
+        evaluation_seconds,
+        no_rl_reason,
+        paired_by,
+        paired_comparison,
+        write_report,
+    )
 
     if checkpoint_dirs(out / "rl" / "checkpoints") or checkpoint_dirs(out / "sft" / "checkpoints"):
         hf = str(export(out, out / "hf"))

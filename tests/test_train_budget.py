@@ -150,7 +150,7 @@ def test_sft_max_minutes_is_checked_with_the_config():
 
 
 def test_rl_phase_evaluations_stay_within_the_evaluation_share():
-    from agentrl.train import evaluation_seconds
+    from agentrl.report import evaluation_seconds
 
     # Clean evaluations of 100 s: the final one's reserve is 1.25 x 100 + 30 = 155 s, and an RL-phase
     # evaluation is expected to take 1.25 x that before the first one ran.
