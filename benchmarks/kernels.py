@@ -168,7 +168,8 @@ def _cpu_measure() -> dict:
     """All paths, both sizes, interleaved in this process. Returns {path: {n: {peaks, times}}}."""
     import torch
 
-    from agentrl.kernels import linear_logprob, linear_logprob_reference
+    from agentrl.kernels.linear_logprob import linear_logprob
+    from agentrl.kernels.reference import linear_logprob_reference
 
     libc = ctypes.CDLL("libc.so.6")
     paths = {
@@ -250,7 +251,10 @@ def _cuda_one_size(n: int, out: dict, compiled_ref, liger_loss) -> None:
     """All CUDA paths at one N; adds its keys to `out`. Tensors die with the frame."""
     import torch
 
-    from agentrl.kernels import PolicyLossConfig, linear_logprob, linear_logprob_reference, policy_loss
+    from agentrl.kernels.linear_logprob import linear_logprob
+    from agentrl.kernels.policy_loss import policy_loss
+    from agentrl.kernels.policy_loss_config import PolicyLossConfig
+    from agentrl.kernels.reference import linear_logprob_reference
 
     device = torch.device("cuda")
     # Liger's GRPO loss has no dual clip: compare like with like.
@@ -356,7 +360,7 @@ def _cuda_one_size(n: int, out: dict, compiled_ref, liger_loss) -> None:
 def run_cuda() -> dict:
     import torch
 
-    from agentrl.kernels import linear_logprob_reference
+    from agentrl.kernels.reference import linear_logprob_reference
 
     device = torch.device("cuda")
     out = {
@@ -423,7 +427,7 @@ def _pl_batch(num_tokens: int, device, kind: str, scale: float, seed: int) -> di
 
 def _pl_step(batch: dict, config) -> tuple:
     """(loss, stats, grad of the log-probs) of one forward + backward."""
-    from agentrl.kernels import policy_loss
+    from agentrl.kernels.policy_loss import policy_loss
 
     batch["logprobs"].grad = None
     args = [batch[k] for k in ("logprobs", "proximal_logprobs", "behavior_logprobs", "advantages", "mask", "seq_ids")]
@@ -433,7 +437,7 @@ def _pl_step(batch: dict, config) -> tuple:
 
 
 def _pl_configs() -> dict:
-    from agentrl.kernels import PolicyLossConfig
+    from agentrl.kernels.policy_loss_config import PolicyLossConfig
 
     return {
         "off": PolicyLossConfig(kl_coef=0.05, is_cap=2.0, clip_ratio_c=None),

@@ -51,7 +51,8 @@ from agentrl.learner.advantages import AdvantageConfig, compute_advantages  # no
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches  # noqa: E402
 from agentrl.learner.publish import WeightPublisher, snapshot_weights  # noqa: E402
 from agentrl.learner.rewards import RewardWeights  # noqa: E402
-from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
+from agentrl.learner.trainer import Trainer, compute_dtype  # noqa: E402
+from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' synthetic trajectories
 from support.synthetic import make_group  # noqa: E402
@@ -94,7 +95,7 @@ def train_rate(kernels: str, steps: int) -> dict:
     model = _model()
     config = TrainerConfig(precision="auto", kernels=kernels, max_row_tokens=MAX_ROW_TOKENS,
                            optimizer=OptimizerConfig(lr=1e-6))
-    trainer = Trainer(PackedPolicy(model, kernels=kernels, compute_dtype=config.compute_dtype()), config)
+    trainer = Trainer(PackedPolicy(model, kernels=kernels, compute_dtype=compute_dtype(config)), config)
     mbs = _batch()
     load_before = _load()
     for _ in range(WARMUP_STEPS):
@@ -137,7 +138,7 @@ def recipe_rates(steps: int, row_tokens: int = RECIPE_ROW_TOKENS) -> dict:
         config = TrainerConfig(precision="auto", kernels="fused", max_row_tokens=row_tokens, train_layers=8,
                                train_embeddings=False, share_prefix=share, optimizer=OptimizerConfig(lr=1e-6))
         set_trainable(model, config.train_layers, config.train_embeddings)
-        trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=config.compute_dtype()), config)
+        trainers[share] = Trainer(PackedPolicy(model, kernels="fused", compute_dtype=compute_dtype(config)), config)
     mbs = _recipe_batch(row_tokens)
     load_before = _load()
     rates: dict[bool, list[float]] = {True: [], False: []}
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         "publish_write_s_last": round(pub["write_s"], 3),
         "tokens_per_step": fused["tokens"],
         "action_tokens_per_step": fused["action_tokens"],
-        "precision": str(TrainerConfig().compute_dtype()).removeprefix("torch.") + " autocast (auto: agentrl.common.hardware)",
+        "precision": TrainerConfig().compute_dtype_name() + " autocast (auto: agentrl.common.hardware)",
         "load_avg_1m_before": round(fused["load_before"], 2),
         "load_avg_1m_after": round(reference["load_after"], 2),
         **machine,

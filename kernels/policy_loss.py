@@ -53,8 +53,8 @@ from agentrl.kernels.policy_loss_config import (
     PolicyLossConfig,
     kl_log_ratio_clamp,
     log_ratio_clamp,
-    validate_policy_loss_inputs,
 )
+from agentrl.kernels.policy_loss_inputs import validate_policy_loss_inputs
 
 _STAT_NAMES = ("clip_frac_low", "clip_frac_high", "ratio_mean", "is_trunc_frac")
 

@@ -1,4 +1,6 @@
-"""The policy loss's config, its bounds and its input validation: what every path of the loss shares.
+"""The policy loss's config and its bounds: what every path of the loss shares. Plain data, no torch,
+so that a run's config can be read without importing the training stack; the inputs' validation,
+which needs torch, is `policy_loss_inputs.py`.
 
 The fused path (`policy_loss.py`) and the plain-PyTorch reference (`reference.py`) import this
 module; the Triton kernel (`triton_policy_loss.py`) imports nothing from the package and takes its
@@ -12,8 +14,6 @@ from __future__ import annotations
 
 import math
 from typing import Literal
-
-import torch
 
 from agentrl.common.config import config_dataclass
 
@@ -94,58 +94,3 @@ class PolicyLossConfig:
     @property
     def dual_clip_on(self) -> bool:
         return self.dual_clip_bound < math.inf
-
-
-def validate_policy_loss_inputs(
-    logprobs_N: torch.Tensor,
-    proximal_logprobs_N: torch.Tensor,
-    behavior_logprobs_N: torch.Tensor | None,
-    advantages_N: torch.Tensor,
-    mask_N: torch.Tensor,
-    seq_ids_N: torch.Tensor,
-    num_seqs: int,
-    config: PolicyLossConfig,
-    ref_logprobs_N: torch.Tensor | None,
-    entropy_N: torch.Tensor | None,
-) -> None:
-    if not isinstance(config, PolicyLossConfig):
-        raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
-    if logprobs_N.dim() != 1:
-        raise ValueError(f"logprobs must be 1-D [N] (packed tokens), got shape {tuple(logprobs_N.shape)}")
-    num_tokens = logprobs_N.shape[0]
-    floats = {
-        "logprobs": logprobs_N,
-        "proximal_logprobs": proximal_logprobs_N,
-        "behavior_logprobs": behavior_logprobs_N,
-        "advantages": advantages_N,
-        "ref_logprobs": ref_logprobs_N,
-        "entropy": entropy_N,
-    }
-    for name, tensor in floats.items():
-        if tensor is None:
-            continue
-        if tensor.shape != (num_tokens,):
-            raise ValueError(f"{name} must have shape [N] = ({num_tokens},), got {tuple(tensor.shape)}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {tensor.dtype}")
-        if tensor.device != logprobs_N.device:
-            raise ValueError(f"{name} is on {tensor.device} but logprobs is on {logprobs_N.device}")
-    for name, tensor, dtype in (("mask", mask_N, torch.bool), ("seq_ids", seq_ids_N, torch.int64)):
-        if tensor.shape != (num_tokens,):
-            raise ValueError(f"{name} must have shape [N] = ({num_tokens},), got {tuple(tensor.shape)}")
-        if tensor.dtype != dtype:
-            raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}")
-        if tensor.device != logprobs_N.device:
-            raise ValueError(f"{name} is on {tensor.device} but logprobs is on {logprobs_N.device}")
-    if not isinstance(num_seqs, int) or num_seqs < 1:
-        raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
-    if num_tokens and (int(seq_ids_N.min()) < 0 or int(seq_ids_N.max()) >= num_seqs):
-        raise ValueError(
-            f"seq_ids must lie in [0, num_seqs={num_seqs}), got range [{int(seq_ids_N.min())}, {int(seq_ids_N.max())}]"
-        )
-    if config.is_cap is not None and behavior_logprobs_N is None:
-        raise ValueError("behavior_logprobs is required when config.is_cap is set (set is_cap=None to disable the IS weight)")
-    if config.kl_coef > 0 and ref_logprobs_N is None:
-        raise ValueError("config.kl_coef > 0 needs ref_logprobs")
-    if config.entropy_coef > 0 and entropy_N is None:
-        raise ValueError("config.entropy_coef > 0 needs entropy (linear_logprob(..., return_entropy=True))")

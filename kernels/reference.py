@@ -20,8 +20,8 @@ from agentrl.kernels.policy_loss_config import (
     PolicyLossConfig,
     kl_log_ratio_clamp,
     log_ratio_clamp,
-    validate_policy_loss_inputs,
 )
+from agentrl.kernels.policy_loss_inputs import validate_policy_loss_inputs
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

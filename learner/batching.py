@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,7 +42,9 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from agentrl.common.trajectory import Trajectory
 
-Kernels = Literal["fused", "reference"]
+if TYPE_CHECKING:
+    from agentrl.learner.trainer_config import Kernels
+
 
 
 @dataclass

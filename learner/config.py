@@ -1,18 +1,16 @@
-"""The learner's config (`agentrl learner --config FILE`, `[learner]` of a run) and its device choice."""
+"""The learner's config (`agentrl learner --config FILE`, `[learner]` of a run): plain data, no torch
+(the device it names is resolved by `learner/devices.py`)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import field
 from typing import Literal
-
-import torch
 
 from agentrl.common.config import config_dataclass
 from agentrl.common.curve import ServerKeys, load_server_keys, require_curve_off_loopback
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
 from agentrl.learner.rewards import RewardSchedule
-from agentrl.learner.trainer import TrainerConfig
+from agentrl.learner.trainer_config import TrainerConfig
 
 
 @config_dataclass
@@ -141,31 +139,3 @@ class LearnerConfig:
         """The CurveZMQ keys of the learner's sockets, read and checked (ValueError naming the key);
         None without keys."""
         return load_server_keys(self.curve_secret_key_file, self.curve_authorized_clients_dir)
-
-
-def pick_device(name: str, num_cuda_devices: int, local_rank: int | None) -> torch.device:
-    """The device for `LearnerConfig.device` on a host with `num_cuda_devices` visible GPUs;
-    `local_rank` is torchrun's LOCAL_RANK (None for one process). Pure: `resolve_device` feeds it."""
-    if name == "cpu" or (name == "auto" and num_cuda_devices == 0):
-        return torch.device("cpu")
-    if name not in ("auto", "cuda"):
-        raise ValueError(f"device={name!r}: choose 'auto', 'cpu' or 'cuda'")
-    if num_cuda_devices == 0:
-        raise RuntimeError(
-            f"device = 'cuda' but torch sees no CUDA device (torch {torch.__version__}, CUDA build "
-            f"{torch.version.cuda}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set "
-            "device = 'cpu' (or 'auto') in the learner config, or run on a GPU host with a CUDA build of torch")
-    index = local_rank or 0
-    if index >= num_cuda_devices:
-        raise RuntimeError(
-            f"torchrun LOCAL_RANK={index} but only {num_cuda_devices} CUDA device(s) are visible: one learner "
-            f"rank per GPU, so start at most --nproc_per_node {num_cuda_devices} (or set device = 'cpu')")
-    return torch.device("cuda", index)
-
-
-def resolve_device(name: str) -> torch.device:
-    """`pick_device` for this process (torchrun's LOCAL_RANK, the GPUs torch sees)."""
-    local_rank = int(os.environ["LOCAL_RANK"]) if "RANK" in os.environ and "LOCAL_RANK" in os.environ else None
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return pick_device(name, num_gpus, local_rank)
-

@@ -52,7 +52,7 @@ from agentrl.learner.distributed import (
 from agentrl.learner.ledger import Ledger
 from agentrl.learner.publish import snapshot_from_policy_state, snapshot_weights
 from agentrl.learner.rewards import RewardWeights
-from agentrl.learner.trainer import StepStats, Trainer, on_device, set_trainable
+from agentrl.learner.trainer import StepStats, Trainer, compute_dtype, on_device, set_trainable
 
 
 @dataclass
@@ -81,7 +81,7 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
     model = load()
     set_trainable(model, tcfg.train_layers, tcfg.train_embeddings)
     value_head = tcfg.advantage.estimator == "gae" and config.mode == "rl"
-    policy = PackedPolicy(model, value_head=value_head, kernels=tcfg.kernels, compute_dtype=tcfg.compute_dtype(device.type))
+    policy = PackedPolicy(model, value_head=value_head, kernels=tcfg.kernels, compute_dtype=compute_dtype(tcfg, device.type))
     # Onto the device before sharding (FSDP shards what is on the mesh's device) and before the
     # optimizer exists (AdamW's state follows its parameters; each rank's covers its shard only).
     policy.to(device)
@@ -90,7 +90,7 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
     reference = None
     if config.kl_reference:
         reference = PackedPolicy(load().requires_grad_(False).eval(), kernels=tcfg.kernels,
-                                 compute_dtype=tcfg.compute_dtype(device.type))
+                                 compute_dtype=compute_dtype(tcfg, device.type))
         if config.init_checkpoint:
             # The KL anchor is the policy RL starts from (the SFT checkpoint), not the base model;
             # every rank reads it (the reference is not sharded), also after a resume.

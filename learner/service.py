@@ -64,7 +64,8 @@ from agentrl.common.config import ConfigError, build, read_toml
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import GroupReceiver, VersionPublisher
 from agentrl.learner.checkpoint import save_checkpoint
-from agentrl.learner.config import LearnerConfig, resolve_device
+from agentrl.learner.config import LearnerConfig
+from agentrl.learner.devices import resolve_device
 from agentrl.learner.distributed import RankGroup, init_distributed, launched_world_size
 from agentrl.learner.intake import Intake
 from agentrl.learner.ledger import Ledger, Spool

@@ -38,83 +38,20 @@ import functools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from agentrl.common.config import config_dataclass
-from agentrl.kernels.policy_loss import PolicyLossConfig
-from agentrl.learner.advantages import AdvantageConfig, gae
-from agentrl.learner.batching import Kernels, MicroBatch, PackedPolicy
-
-Precision = Literal["auto", "fp32", "bf16"]
+from agentrl.learner.advantages import gae
+from agentrl.learner.batching import MicroBatch, PackedPolicy
+from agentrl.learner.trainer_config import Kernels, TrainerConfig
 
 
-@config_dataclass
-class OptimizerConfig:
-    lr: float = 1e-6
-    """AdamW learning rate (per step), after warm-up."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay (per step, relative)."""
-    grad_clip: float = 1.0
-    """Max global gradient L2 norm; <= 0 disables clipping."""
-    warmup_steps: int = 0
-    """Linear warm-up of the learning rate over this many optimizer steps, then constant."""
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)  # type: ignore[assignment]
-        if not self.lr > 0:
-            raise ValueError(f"optimizer.lr={self.lr} must be > 0")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optimizer.betas={self.betas} must lie in [0, 1)")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
-
-
-@config_dataclass
-class TrainerConfig:
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    max_row_tokens: int = 2048
-    """Tokens per packed micro-batch row (activation memory and attention cost grow with it)."""
-    precision: Precision = "auto"
-    """"bf16": fp32 master weights and optimizer state, bf16 autocast matmuls (2.2x the fp32
-    matmul rate on a CPU with AVX-512 BF16: 184 vs 82 GFLOP/s; emulated and ~60x slower without);
-    "fp32": everything in float32; "auto": bf16 on CUDA and on CPUs with native bf16, else fp32
-    (agentrl.common.hardware)."""
-    kernels: Kernels = "fused"
-    """"fused": agentrl.kernels (no [N, V] logits); "reference": the materialising references."""
-    temperature: float = 1.0
-    """Sampling temperature the behaviour log-probs were computed at (logits are divided by it)."""
-    train_layers: int | Literal["all"] = "all"
-    """"all", or k: only the top k decoder layers and the final norm train."""
-    train_embeddings: bool = True
-    """Whether the (tied) embedding / LM head matrix trains."""
-    vf_coef: float = 0.5
-    """Weight of the value loss (gae only)."""
-    share_prefix: bool = True
-    """Run the prefix that all sequences of a micro-batch share once through the frozen bottom
-    layers (PackedPolicy.forward); no effect when the embedding or every layer trains."""
-
-    def __post_init__(self) -> None:
-        if self.max_row_tokens <= 0:
-            raise ValueError(f"max_row_tokens={self.max_row_tokens} must be > 0")
-        if self.train_layers != "all" and not (isinstance(self.train_layers, int) and self.train_layers >= 0):
-            raise ValueError(f"train_layers={self.train_layers!r}: use 'all' or an int k >= 0")
-
-    def compute_dtype(self, device_type: str = "cpu") -> torch.dtype:
-        """The autocast dtype on a device type ("auto": agentrl.common.hardware)."""
-        precision = self.precision
-        if precision == "auto":
-            from agentrl.common.hardware import auto_dtype_name
-
-            precision = "bf16" if auto_dtype_name(device_type) == "bfloat16" else "fp32"
-        return torch.bfloat16 if precision == "bf16" else torch.float32
+def compute_dtype(config: TrainerConfig, device_type: str = "cpu") -> torch.dtype:
+    """The autocast dtype of `config` on a device type (`TrainerConfig.compute_dtype_name`)."""
+    return getattr(torch, config.compute_dtype_name(device_type))
 
 
 def set_trainable(causal_lm: nn.Module, train_layers: int | str, train_embeddings: bool) -> int:

@@ -20,14 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.kernels import (
-    PolicyLossConfig,
-    linear_logprob,
-    linear_logprob_reference,
-    policy_loss,
-    policy_loss_reference,
-)
-from agentrl.kernels.linear_logprob import cpu_vocab_chunk
+from agentrl.kernels.linear_logprob import cpu_vocab_chunk, linear_logprob
+from agentrl.kernels.policy_loss import policy_loss
+from agentrl.kernels.policy_loss_config import PolicyLossConfig
+from agentrl.kernels.reference import linear_logprob_reference, policy_loss_reference
 
 linear_logprob_module = importlib.import_module("agentrl.kernels.linear_logprob")
 
@@ -465,8 +461,8 @@ def test_policy_loss_config_and_input_validation():
 
 
 def test_kernel_modules_import_no_cycle():
-    # Layout: the loss's config lives in policy_loss_config, which the fused path and the reference
-    # import; the Triton modules import nothing from the package (their launchers take scalars).
+    # Layout: the loss's config lives in policy_loss_config (no torch) and the inputs' validation in
+    # policy_loss_inputs, which the fused path and the reference import; the Triton modules import nothing from the package (their launchers take scalars).
     # Every import counts, the lazy ones inside functions included.
     kernels_dir = Path(importlib.import_module("agentrl.kernels.policy_loss_config").__file__).parent
     imports: dict[str, set[str]] = {}
@@ -476,7 +472,7 @@ def test_kernel_modules_import_no_cycle():
         found |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imports[path.stem] = {m.removeprefix("agentrl.kernels.") for m in found if m.startswith("agentrl.kernels.")}
     assert imports["triton_policy_loss"] == set() and imports["triton_linear_logprob"] == set()
-    assert imports["policy_loss_config"] == set()
+    assert imports["policy_loss_config"] == set() and imports["policy_loss_inputs"] == {"policy_loss_config"}
 
     def reaches(start: str, target: str, seen: set[str]) -> bool:
         return any(m == target or (m not in seen and reaches(m, target, seen | {m})) for m in imports.get(start, ()))

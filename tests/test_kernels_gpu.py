@@ -22,13 +22,9 @@ from test_kernels import (
     run_loss,
 )
 
-from agentrl.kernels import (
-    linear_logprob,
-    linear_logprob_reference,
-    linear_logprob_with_backend,
-    policy_loss,
-    policy_loss_reference,
-)
+from agentrl.kernels.linear_logprob import linear_logprob, linear_logprob_with_backend
+from agentrl.kernels.policy_loss import policy_loss
+from agentrl.kernels.reference import linear_logprob_reference, policy_loss_reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -85,13 +85,10 @@ def _worker() -> dict:
         train_losses,
     )
 
-    from agentrl.kernels import (
-        linear_logprob_reference,
-        linear_logprob_with_backend,
-        policy_loss_reference,
-        policy_loss_with_backend,
-    )
     from agentrl.kernels import triton_linear_logprob as tll
+    from agentrl.kernels.linear_logprob import linear_logprob_with_backend
+    from agentrl.kernels.policy_loss import policy_loss_with_backend
+    from agentrl.kernels.reference import linear_logprob_reference, policy_loss_reference
 
     def triton_logprob(*args):
         return linear_logprob_with_backend(*args, backend="triton")

@@ -120,3 +120,34 @@ def test_each_folder_says_what_lives_there_and_what_it_may_import():
     for package in (*COMPONENTS, "agentrl"):
         doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
         assert "import" in doc.lower(), f"{package}/__init__.py does not state its import rule"
+
+
+HEAVY = ("torch", "transformers", "vllm")
+_CLI_MODULES = """
+import sys
+from agentrl.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit:  # argparse's --help
+    code = exit.code
+print("LOADED", sorted(m for m in {heavy!r} if m in sys.modules), "EXIT", code)
+"""
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["train", "--print-config"],
+                                  ["train", "--print-config", "--set", "learner.trainer.optimizer.lr=-1"]],
+                         ids=["help", "print-config", "config-error"])
+def test_reading_a_run_config_imports_no_training_stack(argv):
+    """`agentrl train --help`, `--print-config` and a config error answer without importing torch,
+    transformers or vLLM: the config tree (runconfig -> learner/config -> trainer_config ->
+    kernels/policy_loss_config) is plain data."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CLI_MODULES.format(heavy=HEAVY), *argv], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    last = [line for line in out.stdout.splitlines() if line.startswith("LOADED")]
+    assert last, out.stdout[-2000:] + out.stderr[-2000:]
+    assert last[-1].startswith("LOADED []"), last[-1]
+    if argv[-1].endswith("=-1"):  # the bad value is refused, with its key
+        assert not last[-1].endswith("EXIT 0") and "optimizer.lr" in out.stderr + out.stdout

@@ -15,7 +15,8 @@ from agentrl.learner.config import LearnerConfig
 from agentrl.learner.ledger import Spool
 from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.service import check_runnable
-from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig, set_trainable
+from agentrl.learner.trainer import Trainer, compute_dtype, set_trainable
+from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
 from agentrl.runconfig import load_run_config
 
 VOCAB = 128
@@ -24,7 +25,7 @@ VOCAB = 128
 def _trainer(config: TrainerConfig) -> Trainer:
     model = tiny_llama(VOCAB, seed=0)
     set_trainable(model, config.train_layers, config.train_embeddings)
-    return Trainer(PackedPolicy(model, kernels=config.kernels, compute_dtype=config.compute_dtype()), config)
+    return Trainer(PackedPolicy(model, kernels=config.kernels, compute_dtype=compute_dtype(config)), config)
 
 
 def _grads(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -18,10 +18,11 @@ from agentrl.kernels.policy_loss import PolicyLossConfig
 from agentrl.learner.advantages import AdvantageConfig
 from agentrl.learner.batching import Sample, build_micro_batches
 from agentrl.learner.checkpoint import load_latest_checkpoint
-from agentrl.learner.config import LearnerConfig, pick_device, resolve_device
+from agentrl.learner.config import LearnerConfig
+from agentrl.learner.devices import pick_device, resolve_device
 from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.service import Learner, load_config, main
-from agentrl.learner.trainer import OptimizerConfig, TrainerConfig
+from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
 
 VOCAB = 128
 NEEDS_CUDA = [pytest.mark.gpu,

@@ -333,7 +333,7 @@ async def test_the_learner_skips_a_nonfinite_update_records_it_and_goes_on(tmp_p
     from agentrl.learner.config import LearnerConfig
     from agentrl.learner.metrics import MetricsWriter, read_metrics
     from agentrl.learner.service import Learner
-    from agentrl.learner.trainer import OptimizerConfig, TrainerConfig
+    from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
 
     model_dir = tmp_path / "model"
     tiny_llama(128, seed=0).save_pretrained(model_dir)

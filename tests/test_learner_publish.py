@@ -206,7 +206,7 @@ async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_t
 
     from agentrl.learner.config import LearnerConfig
     from agentrl.learner.service import Learner
-    from agentrl.learner.trainer import TrainerConfig
+    from agentrl.learner.trainer_config import TrainerConfig
 
     monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
     model_dir = tmp_path / "model"

@@ -10,7 +10,8 @@ from agentrl.kernels.policy_loss import PolicyLossConfig
 from agentrl.learner.advantages import AdvantageConfig, compute_advantages
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches, pack_first_fit
 from agentrl.learner.rewards import RewardWeights, token_rewards
-from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig, set_trainable
+from agentrl.learner.trainer import Trainer, compute_dtype, set_trainable
+from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
 
 VOCAB = 128
 
@@ -191,7 +192,7 @@ def _train(config, steps, samples, value_head=False, seed=0):
     model = tiny_llama(VOCAB, seed=seed)
     set_trainable(model, config.train_layers, config.train_embeddings)
     trainer = Trainer(PackedPolicy(model, kernels=config.kernels, value_head=value_head,
-                                   compute_dtype=config.compute_dtype()), config)
+                                   compute_dtype=compute_dtype(config)), config)
     mbs = build_micro_batches(samples, config.max_row_tokens)
     return model, trainer, [trainer.rl_step(mbs) for _ in range(steps)], mbs
 

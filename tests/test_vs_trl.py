@@ -185,7 +185,7 @@ def test_export_holds_the_same_job(tmp_path, tokenizer):
     assert 0 < sum(gold["is_action"]) < len(gold["is_action"]) == len(gold["token_ids"])
     rl_trainer = config.learner.trainer
     assert spec["recipe"]["train_layers"] == rl_trainer.train_layers == 8
-    assert spec["recipe"]["rl_lr"] == rl_trainer.optimizer.lr and spec["recipe"]["sft_lr"] == config.sft.learner.trainer.optimizer.lr
+    assert spec["recipe"]["rl_lr"] == rl_trainer.optimizer.lr and spec["recipe"]["sft_lr"] == config.sft.learner["trainer"]["optimizer"]["lr"] == 3e-4
 
 
 def test_trl_venv_is_reused_when_its_stamp_matches_and_rebuilt_when_not(tmp_path, monkeypatch):

@@ -56,7 +56,8 @@ def _check_batch(vocab_size: int, kind: str) -> list[Sample]:
 
 def run_check_step(rank: int, world: int, batch: str = "groups") -> dict:
     """One optimizer step on a fixed check batch; identical results expected for any world size."""
-    from agentrl.learner.trainer import OptimizerConfig, Trainer, TrainerConfig
+    from agentrl.learner.trainer import Trainer
+    from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
     from support.synthetic import tiny_llama
 
     vocab = 128
