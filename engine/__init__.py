@@ -2,9 +2,15 @@
 that `agentrl train`, `eval` and `rollout` share.
 
     env.py           ToolEnv: the agent MDP (parse actions, call tools, observations, rewards, termination)
+    task.py          Task: what one episode is about (environments interpret it)
     episode.py       run_episode (one episode's loop), gold trajectories for SFT
+    demonstrations.py  the SFT cold start's demonstrations (a recorded JSONL, or the environment's own)
+    environments.py  the environment a config names, built for a run; plugins.py "module:name" plug-ins
+    qa.py            the multi-hop QA environment (the embedded default's) and its Naive RAG baseline
     chat.py          ChatML as token ids, the system prompt; parsers.py tool-call formats
     tools.py         Tool / ToolResult, FunctionTool, RemoteTool (a ZeroMQ tool service's tools)
+    mcp.py           MCP servers as tools; tool_cli.py `agentrl tool call|describe`
+    agent.py         `[agent]`: an outside agent program trained through the gateway
     rewards.py       process reward term names and raw values (weighting is the learner's)
     tasks.py         the synthetic multi-hop world, HotpotQA / 2Wiki / MuSiQue readers; metrics.py EM / F1
     tasksets.py      the task loader registry: train stream, held-out set, corpus

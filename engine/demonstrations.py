@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from agentrl.common.files import iter_jsonl
 from agentrl.common.trajectory import Trajectory
 from agentrl.engine.env import ToolEnv
 from agentrl.engine.episode import play
@@ -52,14 +53,7 @@ def assistant_turns(env: ToolEnv, messages: list[dict], where: str) -> list[str]
 async def read_demonstrations(env: ToolEnv, path: str | Path) -> list[Trajectory]:
     path = Path(path)
     out = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{where}: not JSON ({err})") from None
+    for number, (where, row) in enumerate(iter_jsonl(path, TaskError), 1):
         if not isinstance(row, dict) or "task" not in row or not isinstance(row.get("messages"), list):
             raise TaskError(f"{where}: a demonstration is {{\"task\": {{...}}, \"messages\": [...]}}")
         task = Task.from_json(row["task"], where)

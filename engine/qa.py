@@ -19,64 +19,15 @@ aliases, metadata = num_hops, source, supporting passage ids, gold search querie
 
 The held-out score is EM; scores are also reported by hop count.
 
-Plan (`plan = true`, off by default): the worked examples and the demonstrations begin their first
-action with `<think>searches: N</think>`, N the question's hop count, and the instructions ask for
-it, so that the search count is decided right after the question, whose wording names the hops
-("the founder of X"), instead of after a tool result. The count is text the policy writes: trained,
-rewarded and free to change like the rest of the action; nothing checks it. Measured (lever set E,
-docs/notes/issue-15.md): after 20 SFT steps the policy still writes one count for every question
-(p("1") 0.31 on 1-hop against 0.26 on 2-hop questions), so the option alone does not make the
-choice per question.
-
-Progress (`progress = true`, needs `plan`): every action after a search result begins with
-`<think>searches done: K of N</think>` (in the worked examples and the demonstrations; the
-instructions ask for it), so the step that decides between searching again and answering comes
-right after the policy has restated its own count beside the searches made, instead of having to
-look back past a tool response to the count it wrote. Like the plan, it is the policy's own text.
-
-Evidence (`evidence = true`, needs `progress`): the `progress` text after a search result first
-copies the sentence of that result which answers the search, `<think>Brakro Cuth was born in
-Baendbury. searches done: 1 of 2</think>`, in the worked examples and the demonstrations (the
-sentence is the supporting passage's first, task metadata `supporting_facts`); the instructions ask
-for it. The next query or the answer then comes a few tokens after a sentence the policy has just
-written, instead of being picked out of three passages. The sentence comes before the count so that
-the step deciding between searching again and answering still follows the count directly: with
-the sentence after it (run U, docs/notes/issue-15.md) the SFT policy rose on seed 1 (0.365 ->
-0.542) but RL then answered the copied sentence's object after one search on every 2-hop question
-(2-hop EM 0.327 -> 0.000), the 1-hop pattern "fact</think><answer>object" taking over.
-
-Decompose (`decompose = true`, needs `plan`): the plan first lists the question as one-hop
-questions, one per search, then the count: `<think>1. who founded Brimbell Optics? 2. which city
-was that person born in? searches: 2</think>` (synthetic tasks carry them, metadata
-`sub_questions`). The count is the length of a list the policy has just written, and the list
-starts with the question's innermost entity, so "Which city was Oska Venn born in?" and "Which
-city was the founder of Brimbell Optics born in?" differ in the first words of the plan, not only
-in one count token. Measured (run X, docs/notes/issue-15.md; off by default): on seed 0 RL kept the
-1-hop plans, but then planned 12 2-hop questions as one step copying the whole question (a 1-hop
-plan is the question copied), 2-hop EM 0.583 -> 0.444.
-
-The progress note (`progress_note = true`, needs `plan`): after each search the environment ends
-the tool message with the searches made against the count the policy wrote and what that count
-says to do next ("1 of 2 planned searches done: search for the next entity." or "2 of 2 planned
-searches done: answer now."). The count stays the policy's choice; the note puts the consequence
-of it in the environment's words right before the step that decides between searching again and
-answering. In runs K, M and R that step moved as one habit for every question under RL, back and
-forth (R: one search everywhere at v64, two everywhere at v92), though the policy's own
-`progress` text stated the count beside it.
-
-Keeping the plan (`keep_plan = true`, needs `plan`): the environment holds the policy to the count
-it wrote (`refuse`): an answer before that many searches and a search beyond them are refused with a
-message, and the turn counts. The count stays the policy's choice, one token right after the
-question; what the rule removes is a second, later way to stop or go on that RL could otherwise push
-for every question at once (runs J and K: RL moved the "search again" step to one habit for all
-questions, once to two searches, once to one, whatever count was written).
-
-Worked-example order (`shuffle_worked_examples`, off by default): with worked_examples [1, 2] the
-policy copies the search count, and the decision to search again, mostly from the example nearest
-the question (session 8: moving the 1-hop example last moved p("1") by 0.23 on both kinds of
-question, the question itself by 0.05). Shuffled, each task sees one of the orders, chosen by a
-hash of its task id (fixed per task), in demonstrations, RL and evaluation alike, so the nearest
-example says nothing about the question and only the question can set the count.
+Prompt options (each the policy's own text, trained and rewarded like the rest of the action;
+why each exists and what it measured: docs/notes/multihop-qa-options.md):
+- `plan`: the first action begins with `<think>searches: N</think>`, N the question's hop count;
+- `progress` (needs `plan`): every action after a search result begins with
+  `<think>searches done: K of N</think>`;
+- `evidence` (needs `progress`): that text first copies the sentence of the result that answers
+  the search;
+- `progress_note` (needs `plan`): the environment ends each search result with the searches made
+  against the written count and the step that count asks for.
 
 The retrieval term (`retrieval_reward` > 0) pays for finding the task's supporting passages, so
 an episode that chains a second, bridge-entity search is preferred over one that stops after the
@@ -92,15 +43,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import itertools
 import re
-import zlib
 from typing import Any, Literal
 
 from agentrl.common.config import config_dataclass
 from agentrl.engine.env import EnvConfig, EpisodeState, Reward, ToolEnv, format_content
 from agentrl.engine.metrics import exact_match, f1_score
-from agentrl.engine.parsers import ParsedAction
 from agentrl.engine.task import Task
 
 INTRO = ('You answer questions by searching a knowledge base. Call a tool with <tool_call>{"name": "<tool name>", '
@@ -147,14 +95,8 @@ EXAMPLE_1HOP: tuple[tuple[str, str], ...] = (
 PLAN_INSTRUCTION = "Before the first search, write how many searches the question needs, as <think>searches: N</think>."
 
 
-def plan_text(num_searches: int, steps: list[str] | tuple[str, ...] | None = None) -> str:
-    listed = "".join(f"{i}. {step} " for i, step in enumerate(steps or (), 1))
-    return f"<think>{listed}searches: {num_searches}</think>"
-
-
-# The `decompose` option (QAOptions.decompose): the plan lists the one-hop questions before the count.
-DECOMPOSE_INSTRUCTION = ("Before the first search, write the question as one-hop questions, one per search, and their "
-                         "number, as <think>1. Q1 2. Q2 searches: N</think>.")
+def plan_text(num_searches: int) -> str:
+    return f"<think>searches: {num_searches}</think>"
 
 
 # The `progress` option (QAOptions.progress): after each result, the searches done against the plan.
@@ -181,11 +123,6 @@ EXAMPLES_BY_HOPS: dict[int, tuple[tuple[str, str], ...]] = {1: EXAMPLE_1HOP, 2: 
 EXAMPLE_FACTS_BY_HOPS: dict[int, tuple[str, ...]] = {
     1: ("The Tessick Lamp is made by Quorran Works.",),
     2: ("Brimbell Optics was founded by Oska Venn in 1987.", "Oska Venn was born in Lorrowby."),
-}
-# The one-hop questions of each worked example's question (the `decompose` option).
-EXAMPLE_STEPS_BY_HOPS: dict[int, tuple[str, ...]] = {
-    1: ("which company makes the Tessick Lamp?",),
-    2: ("who founded Brimbell Optics?", "which city was that person born in?"),
 }
 EXAMPLE_MESSAGES = EXAMPLE_2HOP  # the default prompt's worked example
 
@@ -224,40 +161,23 @@ class QAOptions:
     most once); shown only when `env.worked_example` is on."""
     plan: bool = False
     """The first action of a worked example or demonstration begins with the number of searches the
-    question needs, `<think>searches: N</think>` (N = its hop count), and the instructions ask for it:
-    the policy decides how often to search right after reading the question, and the later
-    "search again or answer" step can read its own count (module docstring: Plan)."""
+    question needs, `<think>searches: N</think>` (N = its hop count), and the instructions ask for it."""
     progress: bool = False
-    """With `plan`: every action after a search result begins with the searches done against the
-    plan, `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and
-    the instructions ask for it (module docstring: Plan). Needs `plan`."""
+    """Every action after a search result begins with the searches done against the plan,
+    `<think>searches done: K of N</think>`, in the worked examples and the demonstrations, and the
+    instructions ask for it. Needs `plan`."""
     evidence: bool = False
-    """With `progress`: the progress text after a search result first copies the sentence of the
-    result that answers the search, then states the count (module docstring: Evidence). Needs
-    `progress`."""
-    decompose: bool = False
-    """With `plan`: the plan first lists the question as one-hop questions, one per search, the
-    first naming the question's entity and each later one the entity found before it ("that
-    person"), then the count, `<think>1. who founded X? 2. which city was that person born in?
-    searches: 2</think>` (module docstring: Decompose). Needs `plan`."""
+    """The progress text after a search result first copies the sentence of the result that answers
+    the search, then states the count. Needs `progress`."""
     progress_note: bool = False
-    """With `plan`: after each search the environment adds the searches made against the written
-    count and the next step that count asks for (module docstring: The progress note). Needs `plan`."""
-    keep_plan: bool = False
-    """With `plan`: the environment holds the policy to the count it wrote (module docstring: Plan):
-    an answer before that many searches, and a search beyond them, are refused with a message (the
-    turn counts, with the `no_action` term). The count stays the policy's choice. Needs `plan`."""
-    shuffle_worked_examples: bool = False
-    """Show each task the worked examples in one of their orders, chosen by a hash of its task id
-    (fixed per task: a group's samples share their prompt and an evaluation is repeatable), instead
-    of always in the listed order. A policy trained on one order copies the search count of the
-    example nearest the question (module docstring: Worked-example order)."""
+    """After each search the environment adds the searches made against the written count and the
+    next step that count asks for. Needs `plan`."""
 
     def __post_init__(self) -> None:
         if self.retrieval_reward < 0 or self.retrieval_top_k < 1:
             raise ValueError(f"retrieval_reward must be >= 0 and retrieval_top_k >= 1, got "
                              f"{self.retrieval_reward} and {self.retrieval_top_k}")
-        for name in ("progress", "decompose", "progress_note", "keep_plan"):
+        for name in ("progress", "progress_note"):
             if getattr(self, name) and not self.plan:
                 raise ValueError(f"{name} = true needs plan = true (it counts the searches against the plan)")
         if self.evidence and not self.progress:
@@ -277,30 +197,20 @@ class MultiHopQAEnv(ToolEnv):
 
     def intro(self) -> str:
         progress = EVIDENCE_INSTRUCTION if self.options.evidence else PROGRESS_INSTRUCTION
-        plan = DECOMPOSE_INSTRUCTION if self.options.decompose else PLAN_INSTRUCTION
-        return " ".join([INTRO, *([plan] if self.options.plan else []),
+        return " ".join([INTRO, *([PLAN_INSTRUCTION] if self.options.plan else []),
                          *([progress] if self.options.progress else [])])
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
-        return self._example_orders[0]
-
-    def example_messages_for(self, task: Task) -> tuple[tuple[str, str], ...]:
-        if not self.options.shuffle_worked_examples:
-            return self._example_orders[0]
-        return self._example_orders[zlib.crc32(task.task_id.encode()) % len(self._example_orders)]
+        return self._examples
 
     @functools.cached_property
-    def _example_orders(self) -> tuple[tuple[tuple[str, str], ...], ...]:
-        """The worked-example turns in every order of `worked_examples`, the listed order first; built
-        once, so `reset` finds each in its prefix cache without rebuilding the turns per episode."""
-        return tuple(self._examples(order) for order in itertools.permutations(self.options.worked_examples))
-
-    def _examples(self, hops: tuple[int, ...]) -> tuple[tuple[str, str], ...]:
+    def _examples(self) -> tuple[tuple[str, str], ...]:
+        """The worked-example turns of `worked_examples`, in order; built once."""
         messages = []
-        for h in hops:
+        for h in self.options.worked_examples:
             turns = EXAMPLES_BY_HOPS[h]
             actions = self._with_plan([content for role, content in turns if role == "assistant"],
-                                      EXAMPLE_FACTS_BY_HOPS[h], EXAMPLE_STEPS_BY_HOPS[h])
+                                      EXAMPLE_FACTS_BY_HOPS[h])
             it = iter(actions)
             searches = len(actions) - 1
             done = 0
@@ -313,33 +223,15 @@ class MultiHopQAEnv(ToolEnv):
                 messages.append((role, content))
         return tuple(messages)
 
-    def _with_plan(self, actions: list[str], facts: list[str] | tuple[str, ...],
-                   steps: list[str] | tuple[str, ...]) -> list[str]:
+    def _with_plan(self, actions: list[str], facts: list[str] | tuple[str, ...]) -> list[str]:
         """A solved episode's actions (one search per hop, then the answer) with the `plan` count
-        before the first (with `decompose`, after `steps`: the one-hop questions) and, with
-        `progress`, the searches done before each later one (and, with `evidence`, `facts[i]`: the
-        sentence the i-th search found)."""
+        before the first and, with `progress`, the searches done before each later one (and, with
+        `evidence`, `facts[i]`: the sentence the i-th search found)."""
         n = len(actions) - 1
         evidence = list(facts) if self.options.evidence else [None] * n
-        listed = steps if self.options.decompose else None
-        return [(plan_text(n, listed) if self.options.plan and i == 0 else "")
+        return [(plan_text(n) if self.options.plan and i == 0 else "")
                 + (progress_text(i, n, evidence[i - 1]) if self.options.progress and i > 0 else "") + a
                 for i, a in enumerate(actions)]
-
-    def refuse(self, state: EpisodeState, parsed: ParsedAction) -> str | None:
-        """With `keep_plan`: an answer before the planned searches, or a search beyond them."""
-        if not self.options.keep_plan:
-            return None
-        planned = self.planned_searches(state)
-        if planned is None:  # no plan written: nothing to hold the policy to
-            return None
-        done = len(_searches(state))
-        searches = sum(c.name == "search" for c in parsed.calls)
-        if parsed.answer is not None and done < planned:
-            return f"you planned {planned} searches and have made {done}; search before answering"
-        if searches and done + searches > planned:
-            return f"you planned {planned} searches and have made {done}; answer now"
-        return None
 
     def observation_note(self, state: EpisodeState) -> str | None:
         """With `progress_note`: the searches made against the written count, and what comes next."""
@@ -375,14 +267,11 @@ class MultiHopQAEnv(ToolEnv):
         if not queries:
             return None
         facts = task.metadata.get("supporting_facts") or []
-        steps = task.metadata.get("sub_questions") or []
-        for option, name, key, got in (("evidence", "supporting fact", "supporting_facts", facts),
-                                       ("decompose", "sub-question", "sub_questions", steps)):
-            if getattr(self.options, option) and len(got) != len(queries):
-                raise ValueError(f"task {task.task_id}: {option} = true needs one {name} per gold query (metadata "
-                                 f"{key}), got {len(got)} for {len(queries)} queries")
+        if self.options.evidence and len(facts) != len(queries):
+            raise ValueError(f"task {task.task_id}: evidence = true needs one supporting fact per gold query (metadata "
+                             f"supporting_facts), got {len(facts)} for {len(queries)} queries")
         return self._with_plan([*(self.parser.format_call("search", {"query": q}) for q in queries),
-                                self.parser.format_answer(answers(task)[0])], facts, steps)
+                                self.parser.format_answer(answers(task)[0])], facts)
 
     async def baselines(self, tasks: list[Task]) -> dict[str, ToolEnv]:
         if "search" not in self.tools:
@@ -400,7 +289,7 @@ def _searches(episode: EpisodeState) -> list:
     return [c for c in episode.calls if c.name == "search"]
 
 
-_PLAN = re.compile(r"<think>(?:\d+\. [^<]*)?searches: (\d+)</think>")  # plan_text, with or without steps
+_PLAN = re.compile(r"<think>searches: (\d+)</think>")  # plan_text
 
 
 
@@ -474,9 +363,6 @@ class NaiveRAGEnv(MultiHopQAEnv):
 
     def example_messages(self) -> tuple[tuple[str, str], ...]:
         return NAIVE_RAG_EXAMPLE_MESSAGES
-
-    def example_messages_for(self, task: Task) -> tuple[tuple[str, str], ...]:
-        return NAIVE_RAG_EXAMPLE_MESSAGES  # its own example, whatever the agent's worked-example order
 
     def first_messages(self, task: Task) -> list[tuple[str, str]]:
         return [("user", self._contexts[task.task_id])]

@@ -2,7 +2,7 @@
 
 The server runs `python -m vllm.entrypoints.openai.api_server` in its own process group with:
 - `VLLM_SERVER_DEV_MODE=1`: exposes /pause, /resume, /collective_rpc, /update_weight_version,
-  /weight_info (the hot-swap path, see `engine.weights`);
+  /weight_info (the hot-swap path, see `agentrl.common.weights`);
 - `--worker-extension-cls agentrl.common.vllm_ext.WeightSwapExtension`: validated layer-wise reload;
 - `--enable-scale-out`: the token-in/token-out endpoint `/inference/v1/generate`, whose answers
   carry weight-version spans.

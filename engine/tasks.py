@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.common.files import iter_jsonl
 from agentrl.engine.task import Task
 
 SPLITS = ("train", "heldout")
@@ -39,19 +40,17 @@ SPLITS = ("train", "heldout")
 def qa_task(task_id: str, question: str, answers: tuple[str, ...] | list[str], *, num_hops: int = 0, source: str = "synthetic",
             supporting_ids: tuple[str, ...] | list[str] = (), gold_queries: tuple[str, ...] | list[str] = (),
             intermediate_answers: tuple[str, ...] | list[str] = (),
-            supporting_facts: tuple[str, ...] | list[str] = (), sub_questions: tuple[str, ...] | list[str] = ()) -> Task:
+            supporting_facts: tuple[str, ...] | list[str] = ()) -> Task:
     """A question-answering task in the generic layout: prompt = the question, reference = the gold
     answer and its aliases (EM/F1 take the best over them), metadata = the hop count, the source,
     the gold supporting passage ids (in hop order for synthetic tasks), one gold search query per
     hop that retrieves the hop's passage, the bridge entities each hop but the last resolves to,
-    the sentence of each hop's passage that states the hop's fact, and the one-hop question each
-    hop answers, the first naming the question's entity and each later one the entity before it as
-    "that person" etc. (these four for synthetic tasks only: the QA environment's demonstration and
-    failure labels)."""
+    and the sentence of each hop's passage that states the hop's fact (these three for synthetic
+    tasks only: the QA environment's demonstration and failure labels)."""
     return Task(task_id, prompt=question, reference=list(answers),
                 metadata={"num_hops": num_hops, "source": source, "supporting_ids": list(supporting_ids),
                           "gold_queries": list(gold_queries), "intermediate_answers": list(intermediate_answers),
-                          "supporting_facts": list(supporting_facts), "sub_questions": list(sub_questions)})
+                          "supporting_facts": list(supporting_facts)})
 
 
 @dataclass
@@ -230,7 +229,7 @@ class SyntheticWorld:
 
     def _compose(self, start: str, chain: tuple[str, ...]) -> Task | None:
         entity, description = start, (f"the {start}" if chain[0] == "made_by" else start)
-        passage_ids, queries, bridges, sentences, steps = [], [], [], [], []
+        passage_ids, queries, bridges, sentences = [], [], [], []
         for i, relation in enumerate(chain):
             fact = self._facts.get((relation, entity))
             if fact is None:
@@ -238,7 +237,6 @@ class SyntheticWorld:
             passage_ids.append(fact.passage_id)
             sentences.append(fact.sentence)
             queries.append(_QUERY[relation].format(x=entity))
-            steps.append(_QUESTION[relation].format(x=description if i == 0 else f"that {_SUBJECT[relation]}"))
             if i == len(chain) - 1:
                 question = _QUESTION[relation].format(x=description)
             else:
@@ -249,7 +247,7 @@ class SyntheticWorld:
         task_id = f"syn{self.config.seed}-{len(chain)}h-{'.'.join(r[0] for r in chain)}-{_slug(start)}"
         return qa_task(task_id, question, [entity], num_hops=len(chain), source="synthetic",
                        supporting_ids=passage_ids, gold_queries=queries, intermediate_answers=bridges,
-                       supporting_facts=sentences, sub_questions=steps)
+                       supporting_facts=sentences)
 
 
 # Relation chains by hop count; each ends at an entity with a short name.
@@ -272,7 +270,6 @@ _QUESTION = {
     "located_in": "in which country is {x}?",
 }
 # What each relation's subject is, for a step that names the entity found before it ("that person").
-_SUBJECT = {"made_by": "product", "founded_by": "company", "born_in": "person", "located_in": "city"}
 _QUERY = {
     "made_by": "who makes {x}",
     "founded_by": "founder of {x}",
@@ -300,13 +297,7 @@ def _load_json_or_jsonl(path: str | Path) -> list[dict]:
     if stripped.startswith("["):
         rows = json.loads(text)
     else:
-        rows = []
-        for line_no, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+        rows = [row for _, row in iter_jsonl(path)]
     if not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"{path}: expected a JSON list of objects or JSONL of objects")
     return rows
@@ -394,25 +385,18 @@ def load_passages(path: str | Path, limit: int | None = None) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"passage corpus not found: {path}")
     out = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
-            if "id" not in row:
-                raise ValueError(f"{path}:{line_no}: passage lacks 'id'")
-            if "text" in row and "title" in row:
-                out.append({"id": str(row["id"]), "title": row["title"], "text": row["text"]})
-            elif "contents" in row:
-                title, _, text = row["contents"].partition("\n")
-                out.append({"id": str(row["id"]), "title": title.strip('"'), "text": text})
-            else:
-                raise ValueError(f"{path}:{line_no}: passage needs 'title' and 'text' (or 'contents'), has {sorted(row)}")
-            if limit is not None and len(out) >= limit:
-                break
+    for where, row in iter_jsonl(path):
+        if "id" not in row:
+            raise ValueError(f"{where}: passage lacks 'id'")
+        if "text" in row and "title" in row:
+            out.append({"id": str(row["id"]), "title": row["title"], "text": row["text"]})
+        elif "contents" in row:
+            title, _, text = row["contents"].partition("\n")
+            out.append({"id": str(row["id"]), "title": title.strip('"'), "text": text})
+        else:
+            raise ValueError(f"{where}: passage needs 'title' and 'text' (or 'contents'), has {sorted(row)}")
+        if limit is not None and len(out) >= limit:
+            break
     return out
 
 

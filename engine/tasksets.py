@@ -31,13 +31,13 @@ the field before any server starts.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from agentrl.common.config import ConfigError, Origins, config_dataclass
+from agentrl.common.files import iter_jsonl
 from agentrl.engine import tasks as T
 from agentrl.engine.plugins import build_options, resolve
 from agentrl.engine.task import Task, TaskError, check_unique_ids
@@ -236,14 +236,8 @@ def read_task_file(path: str | Path, limit: int | None = None) -> list[Task]:
     if not path.is_file():
         raise TaskError(f"{path}: no such task file")
     tasks = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TaskError(f"{path}:{number}: not JSON ({err})") from None
-        tasks.append(Task.from_json(obj, f"{path}:{number}"))
+    for where, obj in iter_jsonl(path, TaskError):
+        tasks.append(Task.from_json(obj, where))
         if limit is not None and len(tasks) >= limit:
             break
     check_unique_ids(tasks, str(path))

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agentrl.common.files import iter_jsonl
+
 
 class MetricsWriter:
     def __init__(self, output_dir: Path, *, tensorboard: bool = True, progress_total: int | None = None,
@@ -55,8 +57,6 @@ class MetricsWriter:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All lines of a metrics.jsonl; for a redone step the later line wins."""
     by_step: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            record = json.loads(line)
-            by_step[record["step"]] = record
+    for _, record in iter_jsonl(path):
+        by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]

@@ -99,7 +99,7 @@ class WeightPublisher:
         self.push_timeout_s = push_timeout_s
         self.kv_refresh_every = kv_refresh_every
         """Every this many pushes, the servers' KV and prefix caches are dropped (running requests
-        recompute under the new weights); the pushes in between keep them (engine.weights, step 3)."""
+        recompute under the new weights); the pushes in between keep them (agentrl.common.weights, step 3)."""
         self.probe_timeout_s = probe_timeout_s
         """How long a version query to a server may take before it counts as down, seconds."""
         self.probe_interval_s = probe_interval_s

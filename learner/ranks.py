@@ -51,7 +51,6 @@ from agentrl.learner.distributed import (
 )
 from agentrl.learner.ledger import Ledger
 from agentrl.learner.publish import snapshot_from_policy_state, snapshot_weights
-from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.trainer import StepStats, Trainer, compute_dtype, on_device, set_trainable
 
 
@@ -164,7 +163,7 @@ class Solo:
         return Restored(int(state["step"]), Ledger.from_dict(state["ledger"]), "resumed")
 
     @on_device  # runs on a worker thread (on_device's docstring)
-    def step(self, samples: list[Sample], weights: RewardWeights) -> tuple[StepStats, int]:
+    def step(self, samples: list[Sample]) -> tuple[StepStats, int]:
         """One optimizer step on `samples` (and the anchor's demonstrations); (stats, micro-batches)."""
         max_row_tokens = self.config.trainer.max_row_tokens
         anchor = build_micro_batches(self.anchor.next_samples(), max_row_tokens) if self.anchor is not None else []
@@ -219,11 +218,11 @@ class Leader(Solo):
         return restore_collective(self, checkpoints)
 
     @on_device
-    def step(self, samples: list[Sample], weights: RewardWeights) -> tuple[StepStats, int]:
+    def step(self, samples: list[Sample]) -> tuple[StepStats, int]:
         max_row_tokens = self.config.trainer.max_row_tokens
         shares = [shard_samples(samples, r, self.world) for r in range(self.world)]
         self._check_padding(shares)
-        self.group.send("step", weights)
+        self.group.send("step", None)
         return self.train_micro_batches(equalise_micro_batches(self.group.scatter(shares), max_row_tokens))
 
     def _check_padding(self, shares: list[list[Sample]]) -> None:
@@ -346,7 +345,7 @@ def follow(config: LearnerConfig, device: torch.device, group: RankGroup) -> int
     max_row_tokens = config.trainer.max_row_tokens
     commands = {
         "heartbeat": lambda payload: None,
-        "step": lambda weights: node.train_micro_batches(equalise_micro_batches(group.scatter(None), max_row_tokens)),
+        "step": lambda payload: node.train_micro_batches(equalise_micro_batches(group.scatter(None), max_row_tokens)),
         "snapshot": lambda payload: gather_snapshot(node, group),
         "checkpoint": lambda payload: gather_checkpoint(node, group),
     }

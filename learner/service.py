@@ -153,7 +153,7 @@ class Learner:
         rejected = dict(batch.rejected)
         stats = None
         if batch.samples:
-            stats, num_micro_batches = await asyncio.to_thread(self.ranks.step, batch.samples, weights)
+            stats, num_micro_batches = await asyncio.to_thread(self.ranks.step, batch.samples)
         if stats is not None and not stats.skipped:
             # From the samples rather than the stats: under torchrun those count padding rows too.
             record.update({

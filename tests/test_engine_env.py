@@ -163,3 +163,27 @@ async def test_tool_infrastructure_failure_marks_episode_failed(chat, world_task
 
 async def _raise_unavailable(arguments, timeout_s=None):
     raise ToolUnavailable("no live replica")
+
+
+class _SearchFirst(MultiHopQAEnv):
+    """A rule the action can break (the `refuse` hook): an answer before any search is not taken."""
+
+    def refuse(self, state, parsed):
+        if parsed.answer is not None and not state.calls:
+            return "search before answering"
+        return None
+
+
+async def test_a_refused_action_is_not_carried_out_and_the_turn_counts(chat, world_tasks):
+    world, tasks = world_tasks
+    env = _SearchFirst(chat, EnvConfig(max_turns=3))
+    env.register_tool(LocalSearchTool(world.passages))
+    call = '<tool_call>{"name": "search", "arguments": {"query": "founder"}}</tool_call>'
+    traj = await run_episode(env, tasks[0], ScriptedPolicy(env, ["<answer>x</answer>", call, "<answer>y</answer>"]),
+                             SamplingConfig(), group_id="g")
+    # The early answer did not end the episode: the policy was shown why, the turn cost no_action,
+    # and the episode went on to the search and the answer after it.
+    assert traj.status == "ok" and len(traj.turns) == 3 and traj.metrics["num_tool_calls"] == 1
+    assert "search before answering" in chat.decode(traj.token_ids)
+    assert traj.turns[0].process_rewards.get("no_action") == env.config.rewards.no_action
+    assert "no_action" not in traj.turns[1].process_rewards

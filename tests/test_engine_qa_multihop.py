@@ -5,9 +5,6 @@ real environment and a real BM25 index over the synthetic world; no server neede
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -226,48 +223,11 @@ async def test_plan_option_states_the_search_count_in_examples_and_demonstration
     assert not any("<think>" in a for a in default.demonstration(two))
 
 
-async def test_shuffled_worked_examples_give_each_task_one_fixed_order(chat, world_tasks):
+async def test_naive_rag_baseline_keeps_its_own_example(chat, world_tasks):
+    # The baseline subclasses the agent's environment; it must not inherit the agent's tool-calling
+    # worked examples (it has no tools and one turn).
     world, tasks = world_tasks
-    env = make_env(chat, world, plan=True, worked_examples=[1, 2], shuffle_worked_examples=True)
-    one, two = "Which company makes the Tessick Lamp?", "the founder of Brimbell Optics"
-
-    def order(env, task) -> tuple[int, ...]:
-        text = chat.decode(env.reset(task).token_ids)
-        assert text.count(one) == 1 and text.count(two) == 1 and text.index(two) < text.rindex(task.prompt)
-        return (1, 2) if text.index(one) < text.index(two) else (2, 1)
-
-    orders = {task.task_id: order(env, task) for task in tasks}
-    assert set(orders.values()) == {(1, 2), (2, 1)}  # both orders occur among 16 tasks
-    # Fixed per task: again, and in another environment instance (the actor and evaluation each build one).
-    again = make_env(chat, world, plan=True, worked_examples=[1, 2], shuffle_worked_examples=True)
-    assert all(order(env, t) == order(again, t) == orders[t.task_id] for t in tasks)
-    assert len(env._prefixes) == 2  # each distinct prompt prefix tokenized once
-    # The SFT cold start's demonstrations see the same per-task order as sampled episodes.
-    for task in tasks[:4]:
-        traj = await play(env, task, env.demonstration(task))
-        assert traj.metrics["em"] == 1.0
-        assert traj.token_ids[:traj.prompt_len].tolist() == env.reset(task).token_ids
-    # Off (the default): the listed order for every task.
-    fixed = make_env(chat, world, plan=True, worked_examples=[2, 1])
-    assert {order(fixed, t) for t in tasks} == {(2, 1)}
-
-
-def test_the_worked_example_order_does_not_depend_on_the_process_hash_seed():
-    # The actor, the evaluation and a resumed run are separate processes: a task must get the same
-    # order in each, so the order cannot come from Python's salted str hash.
-    script = ("from agentrl.engine.qa import MultiHopQAEnv, QAOptions\nfrom agentrl.engine.task import Task\n"
-              "env = MultiHopQAEnv(None, options=QAOptions(worked_examples=[1, 2], shuffle_worked_examples=True))\n"
-              "print([env.example_messages_for(Task(f'task-{i}'))[0][1][10:22] for i in range(32)])")
-    seen = {subprocess.run([sys.executable, "-P", "-c", script], env={**os.environ, "PYTHONHASHSEED": seed},
-                           capture_output=True, text=True, check=True).stdout for seed in ("1", "2")}
-    assert len(seen) == 1 and "Which compan" in next(iter(seen)) and "Which city w" in next(iter(seen))
-
-
-async def test_naive_rag_baseline_keeps_its_own_example_when_the_agent_shuffles(chat, world_tasks):
-    # The baseline subclasses the agent's environment; shuffling the agent's worked examples must not
-    # hand it the agent's tool-calling examples (it has no tools and one turn).
-    world, tasks = world_tasks
-    env = make_env(chat, world, plan=True, worked_examples=[1, 2], shuffle_worked_examples=True)
+    env = make_env(chat, world, plan=True, worked_examples=[1, 2])
     rag = (await env.baselines(tasks))["naive_rag"]
     for task in tasks:
         text = chat.decode(rag.reset(task).token_ids)
@@ -339,75 +299,6 @@ async def test_evidence_option_copies_the_fact_each_search_found(chat, world_tas
     bare = dataclasses.replace(two, metadata={**two.metadata, "supporting_facts": []})
     with pytest.raises(ValueError, match="one supporting fact per gold query"):
         env.demonstration(bare)
-
-
-async def test_decompose_option_lists_the_one_hop_questions_before_the_count(chat, world_tasks):
-    world, tasks = world_tasks
-    env = make_env(chat, world, plan=True, progress=True, evidence=True, decompose=True, worked_examples=[1, 2])
-    counted = make_env(chat, world, plan=True, progress=True, evidence=True, worked_examples=[1, 2])
-    # Every chain of the world: the first step names the question's entity, each later one the
-    # entity found before it; a 1-hop question is its own single step.
-    _, all_tasks = synthetic_tasks(split="heldout", num=108, hops=(1, 2, 3), config=SyntheticQAConfig(num_companies=60))
-    kinds = {}
-    for task in all_tasks:
-        steps, hops = task.metadata["sub_questions"], task.metadata["num_hops"]
-        assert len(steps) == hops == len(task.metadata["gold_queries"])
-        kinds[task.task_id.split("-")[2]] = (task.prompt, steps)
-        if hops == 1:
-            assert steps[0][0].upper() + steps[0][1:] == task.prompt
-        assert " that " not in steps[0] and all(" that " in step for step in steps[1:]), steps
-    assert set(kinds) == {"m", "f", "b", "l", "m.f", "f.b", "b.l", "m.f.b", "f.b.l"}
-    prompt, steps = kinds["f.b"]
-    founder_of = prompt.split("the founder of ")[1].removesuffix(" born in?")
-    assert steps == [f"who founded {founder_of}?", "which city was that person born in?"]
-    assert kinds["b.l"][1][1] == "in which country is that city?" and kinds["m.f"][1][1] == "who founded that company?"
-    # The plan lists them, numbered, then the count; the rest of each action is unchanged.
-    two = two_hop(tasks)
-    one = next(t for t in tasks if t.metadata["num_hops"] == 1)
-    s1, s2 = two.metadata["sub_questions"]
-    actions, plain = env.demonstration(two), counted.demonstration(two)
-    assert actions[0] == f"<think>1. {s1} 2. {s2} searches: 2</think>" + plain[0].removeprefix("<think>searches: 2</think>")
-    assert actions[1:] == plain[1:]
-    assert env.demonstration(one)[0].startswith(f"<think>1. {one.metadata['sub_questions'][0]} searches: 1</think><tool_call>")
-    # The count is still read from the plan (the progress note counts against it).
-    noted = make_env(chat, world, plan=True, decompose=True, progress_note=True)
-    traj = await play(noted, two, [f"<think>1. {s1} searches: 1</think>" + search(two.metadata["gold_queries"][0]),
-                                   answer("Nowhere")])
-    assert "1 of 1 planned searches done: answer now." in chat.decode(traj.token_ids)
-    # The worked examples are decomposed too, and the instructions ask for it.
-    text = chat.decode(env.reset(two).token_ids)
-    assert "<think>1. which company makes the Tessick Lamp? searches: 1</think>" in text
-    assert "<think>1. who founded Brimbell Optics? 2. which city was that person born in? searches: 2</think>" in text
-    assert "one-hop questions" in env.system_prompt and "one-hop questions" not in counted.system_prompt
-    with pytest.raises(ValueError, match="needs plan"):
-        QAOptions(decompose=True)
-    bare = dataclasses.replace(two, metadata={**two.metadata, "sub_questions": [s1]})
-    with pytest.raises(ValueError, match="one sub-question per gold query"):
-        env.demonstration(bare)
-
-
-async def test_keep_plan_holds_the_policy_to_the_count_it_wrote(chat, world_tasks):
-    world, tasks = world_tasks
-    env = make_env(chat, world, plan=True, progress=True, keep_plan=True)
-    two = two_hop(tasks)
-    q1, q2 = two.metadata["gold_queries"]
-    gold = two.reference[0]
-    # Planned 2: an answer after one search is refused (the episode goes on), then the chain finishes.
-    traj = await play(env, two, ["<think>searches: 2</think>" + search(q1), answer("Nowhere"), search(q2), answer(gold)])
-    assert traj.metrics["em"] == 1.0 and traj.metrics["num_tool_calls"] == 2 and len(traj.turns) == 4
-    assert traj.turns[1].process_rewards.get("no_action") and "you planned 2 searches and have made 1" in chat.decode(traj.token_ids)
-    # Planned 1: a second search is refused and not run; the answer after it ends the episode.
-    traj = await play(env, two, ["<think>searches: 1</think>" + search(q1), search(q2), answer(gold)])
-    assert traj.metrics["num_tool_calls"] == 1 and "answer now" in chat.decode(traj.token_ids)
-    # No plan written: nothing to hold the policy to.
-    traj = await play(env, two, [search(q1), answer("Nowhere")])
-    assert traj.metrics["num_tool_calls"] == 1 and len(traj.turns) == 2
-    # Without the option the same early answer ends the episode.
-    loose = make_env(chat, world, plan=True)
-    traj = await play(loose, two, ["<think>searches: 2</think>" + search(q1), answer("Nowhere")])
-    assert len(traj.turns) == 2 and traj.metrics["em"] == 0.0
-    with pytest.raises(ValueError, match="needs plan"):
-        QAOptions(keep_plan=True)
 
 
 async def test_progress_note_ends_each_search_result_with_the_count_and_the_next_step(chat, world_tasks):

@@ -124,7 +124,7 @@ def _steps(learner: Learner, groups, num_steps: int) -> list[float]:
     losses = []
     for _ in range(num_steps):
         batch = learner.prepare(groups, RewardWeights())
-        stats, _ = learner.ranks.step(batch.samples, RewardWeights())
+        stats, _ = learner.ranks.step(batch.samples)
         learner.step += 1
         losses.append(stats.loss)
     return losses

@@ -19,7 +19,6 @@ stopwords or unknown words returns [].
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -31,7 +30,7 @@ from pathlib import Path
 import bm25s
 from bm25s.tokenization import Tokenizer
 
-from agentrl.common.files import sha256_update
+from agentrl.common.files import iter_jsonl, sha256_update
 from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -61,20 +60,13 @@ class SearchConfig:
 
 def load_corpus(path: str) -> list[dict]:
     passages, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not JSON ({exc})") from None
-            if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in ("id", "title", "text")):
-                raise ValueError(f"{path}:{line_no}: expected an object with string id, title and text")
-            if obj["id"] in seen:
-                raise ValueError(f"{path}:{line_no}: id {obj['id']!r} appears twice")
-            seen.add(obj["id"])
-            passages.append({"id": obj["id"], "title": obj["title"], "text": obj["text"]})
+    for where, obj in iter_jsonl(path):
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in ("id", "title", "text")):
+            raise ValueError(f"{where}: expected an object with string id, title and text")
+        if obj["id"] in seen:
+            raise ValueError(f"{where}: id {obj['id']!r} appears twice")
+        seen.add(obj["id"])
+        passages.append({"id": obj["id"], "title": obj["title"], "text": obj["text"]})
     if not passages:
         raise ValueError(f"{path}: no passages")
     return passages

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,20 +30,27 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def iter_jsonl(path: str | Path, error: type[Exception] = ValueError) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each non-blank line of a JSONL file, in order; `where` is "path:line", for
+    the caller's own checks of the record. A line that is not JSON (a run killed mid-write, a hand
+    edit) raises `error` naming path and line number."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise error(f"{path}:{number}: not a JSON record ({err}); remove or repair the line") from None
+            yield f"{path}:{number}", record
+
+
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL file, oldest first ([] when it does not exist; blank lines skipped). A
-    line that is not JSON (a run killed mid-write, a hand edit) is named by path and line number."""
+    """The records of a JSONL file, oldest first ([] when it does not exist; blank lines skipped; a
+    line that is not JSON raises ValueError naming it: `iter_jsonl`)."""
     if not path.exists():
         return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON record ({err}); remove or repair the line") from err
-    return records
+    return [record for _, record in iter_jsonl(path)]
 
 
 def sha256_update(digest: hashlib._Hash, path: Path) -> hashlib._Hash:

@@ -21,7 +21,7 @@ message. Neither is retried here: retrying on another server is the server pool'
 keep-alive connection the server closed while idle is one such transient failure).
 
 Policy versions are ints. The server labels weights with strings; agentrl always sets the decimal
-string of the learner step (`engine.weights.push_weights`), and a freshly started server's label
+string of the learner step (`agentrl.common.weights.push_weights`), and a freshly started server's label
 "default" is version 0.
 """
 
