@@ -70,7 +70,7 @@ from agentrl.common.config import config_dataclass
 from agentrl.common.trajectory import Trajectory, Turn, int32_array
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, IM_END, ChatFormat, list_tools
-from agentrl.engine.parsers import HermesParser, ParsedAction, ToolCall, ToolCallParser
+from agentrl.engine.parsers import HermesParser, ParsedAction, ToolCall, ToolCallParser, cut_action
 from agentrl.engine.task import Task
 from agentrl.engine.tools import Tool, ToolResult, ToolUnavailable
 
@@ -378,9 +378,8 @@ class ToolEnv:
             raise ValueError("action token_ids, logprobs and versions differ in length")
         stopped = bool(ids) and ids[-1] in self.chat.stop_token_ids
         text = self.chat.decode(ids[:-1] if stopped else ids)
-        cut = self.parser.cut_point(text)
-        if cut < len(text):
-            keep = self._tokens_covering(ids, cut)
+        keep = cut_action(self.parser, ids[:-1] if stopped else ids, text, self.chat.decode)
+        if keep is not None:
             ids, logprobs, versions, stopped = ids[:keep], logprobs[:keep], versions[:keep], False
             text = self.chat.decode(ids)
         action_start = len(state.token_ids)
@@ -415,18 +414,6 @@ class ToolEnv:
         return self._close(state, turn, terms, responses, stopped)
 
     # -- internals -------------------------------------------------------------------------------
-
-    def _tokens_covering(self, ids: list[int], num_chars: int) -> int:
-        """Smallest k such that decode(ids[:k]) has at least `num_chars` characters (binary search:
-        decoded length grows with k)."""
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self.chat.decode(ids[:mid])) >= num_chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
     def _add(self, terms: dict[str, float], term: str, count: int = 1) -> None:
         terms[term] = terms.get(term, 0.0) + count * self.config.rewards.value(term)

@@ -69,6 +69,7 @@ from mcp.client.stdio import get_default_environment
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
+from agentrl.common.proctable import live_group_members, signal_group
 from agentrl.engine.tools import Tool, ToolResult, ToolUnavailable
 
 log = logging.getLogger(__name__)
@@ -264,7 +265,7 @@ class McpServer:
                     await asyncio.wait({task}, timeout=_KILL_REAP_S)
         finally:
             if self._process is not None:  # the stop sequence was cut short: no survivors all the same
-                _signal_group(self._process.pid, signal.SIGKILL)
+                signal_group(self._process.pid, signal.SIGKILL)
                 self._process = None
             if self._log_file is not None:
                 self._log_file.close()
@@ -426,16 +427,16 @@ class McpServer:
             proc.stdin.close()
         # The grace is for the server itself; what it leaves behind in its group gets SIGTERM at once.
         await _wait_exit(proc, cfg.stop_grace_s)
-        stopped = not _live_group_members(proc.pid)
+        stopped = not live_group_members(proc.pid)
         for sig, grace_s in ((signal.SIGTERM, cfg.sigterm_grace_s), (signal.SIGKILL, _KILL_REAP_S)):
             if stopped:
                 break
-            _signal_group(proc.pid, sig)
+            signal_group(proc.pid, sig)
             stopped = await _wait_group_exit(proc, grace_s)
         self._last_exit_status = proc.returncode
         if not stopped:
             log.error("MCP server %r: process group %d still has live members %s after SIGKILL", self.name, proc.pid,
-                      _live_group_members(proc.pid))
+                      live_group_members(proc.pid))
         if self._process is proc:
             self._process = None
 
@@ -578,33 +579,6 @@ def _file_tail(path: str, offset: int) -> str:
         return f.read().decode(errors="replace").strip()
 
 
-def _live_group_members(pgid: int) -> list[int]:
-    """PIDs in process group `pgid` that are not zombies (a reparented zombie may never be reaped
-    in a container whose init does not reap, and it holds no resources)."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # it exited while we looked
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(entry.name))
-    return members
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    """Signal the child's process group, only while it has live members: once it has none its id
-    may be reused, so an unconditional killpg could hit someone else's group."""
-    if _live_group_members(pgid):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:  # the last member exited between the look and the signal
-            pass
-
-
 async def _wait_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while proc.returncode is None:
@@ -617,7 +591,7 @@ async def _wait_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool
 async def _wait_group_exit(proc: asyncio.subprocess.Process, timeout_s: float) -> bool:
     """Wait until the child has exited and its process group has no live member."""
     deadline = time.monotonic() + timeout_s
-    while proc.returncode is None or _live_group_members(proc.pid):
+    while proc.returncode is None or live_group_members(proc.pid):
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(_EXIT_POLL_S)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -133,6 +134,26 @@ class ToolCallParser(Protocol):
     def format_call(self, name: str, arguments: dict) -> str: ...
 
     def format_answer(self, answer: str) -> str: ...
+
+
+def cut_action(parser: ToolCallParser, ids: list[int], text: str, decode: Callable[[list[int]], str],
+               prefix: str = "") -> int | None:
+    """How many of the sampled `ids` (no stop token; `text` = decode(ids)) an action keeps when the
+    parser says it ends early (after a closed answer or the last closed call: `cut_point`), or None
+    when the action is whole. `prefix` is text the action starts with that was not sampled (a forced
+    prefill). Everything after the cut is dropped: the engine's episodes and the gateway's turns keep
+    exactly the tokens that make up the action."""
+    cut = parser.cut_point(prefix + text) - len(prefix)
+    if cut >= len(text):
+        return None
+    lo, hi = 1, len(ids)  # the fewest tokens whose text reaches the cut (decoded length grows with k)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(ids[:mid])) >= max(cut, 0):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class HermesParser:

@@ -31,6 +31,7 @@ the field before any server starts.
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,18 @@ class TaskSet:
         if self.demonstration_pool is not None:
             return self.demonstration_pool(num)
         return list(itertools.islice(self.train_stream(lambda: 0), num))
+
+
+def generated_taskset(seed: int, num_train: int, num_heldout: int,
+                      make: Callable[[random.Random, int, str], Task]) -> TaskSet:
+    """A task set from a seeded generator: `make(rng, index, split)` builds the index-th task of a split
+    ("train" or "heldout") from that split's own random stream (seeded "{seed}-train" and
+    "{seed}-heldout", so the splits never share a draw); the training tasks cycle. What a generated
+    environment's `load_tasks` returns (examples/arithmetic)."""
+    train_rng, heldout_rng = random.Random(f"{seed}-train"), random.Random(f"{seed}-heldout")
+    train = [make(train_rng, i, "train") for i in range(num_train)]
+    heldout = [make(heldout_rng, i, "heldout") for i in range(num_heldout)]
+    return TaskSet(heldout=heldout, train_pool=_cycled(train, "training tasks"))
 
 
 def _cycled(tasks: list[Task], what: str) -> Callable[[Callable[[], int]], Iterator[Task]]:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agentrl.common.proctable import signal_group
 from agentrl.common.trajectory import Trajectory, Turn
 from agentrl.engine.agent import AgentConfig, agent_entry
 from agentrl.engine.env import CallRecord, EpisodeState, ToolEnv, format_content
@@ -195,8 +196,7 @@ class AgentEpisodes:
             stdout, stderr = await proc.communicate(json.dumps(task_json).encode())
         except BaseException:  # timed out or cancelled: the agent and whatever it started go, by its group id
             if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
             raise
         tail = stderr.decode(errors="replace")[-self.config.stderr_tail_chars:] if self.config.stderr_tail_chars else ""

@@ -57,7 +57,7 @@ from pathlib import Path
 import msgspec
 
 from agentrl.common.inference import InferenceServerError, InferenceServerUnavailable, SamplingParams
-from agentrl.engine.parsers import TOOL_CALL_PARSERS, detect_tool_call_format
+from agentrl.engine.parsers import TOOL_CALL_PARSERS, cut_action, detect_tool_call_format
 from agentrl.gateway import protocol as P
 from agentrl.gateway.http import BodyTooLarge, HTTPServer, Request, Response
 from agentrl.gateway.render import ChatMLRenderer, Rendered, TemplateRenderer, ToolList, forced_prefill
@@ -437,9 +437,8 @@ class Gateway:
         finish = "length" if generation.finish_reason == "length" else "stop"
         if not choice.parse_calls:
             return _Turn(ids, logprobs, versions, text, text, [], finish)
-        cut = self.parser.cut_point(text) - len(prefill)
-        if cut < len(sampled_text):
-            keep = self._tokens_covering(ids, max(cut, 0))
+        keep = cut_action(self.parser, ids[:-1] if stopped else ids, sampled_text, self._decode, prefill)
+        if keep is not None:
             ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
             text = prefill + self._decode(ids)
             finish = "stop"  # the action ended where the parser says; what followed it is dropped
@@ -453,17 +452,6 @@ class Gateway:
         tool_calls = [{"id": "call_" + os.urandom(12).hex(), "type": "function",
                        "function": {"name": call.name, "arguments": _ENCODER.encode(call.arguments).decode()}} for call in calls]
         return _Turn(ids, logprobs, versions, text, content.strip() or None, tool_calls, "tool_calls")
-
-    def _tokens_covering(self, ids: list[int], num_chars: int) -> int:
-        """Smallest k with len(decode(ids[:k])) >= num_chars (decoded length grows with k)."""
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self._decode(ids[:mid])) >= num_chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
     def _record_chat(self, session: Session, messages, rendered: Rendered, turn: _Turn, tools, choice) -> None:
         c = session.counters

@@ -204,7 +204,8 @@ def test_bad_config_exits_2_from_the_command_line_in_seconds(tmp_path):
 
 
 def test_a_tool_command_that_exits_at_start_stops_the_run_with_exit_2(tmp_path):
-    from agentrl.common.watchdog import RunLock, read_proc
+    from agentrl.common.proctable import read_proc
+    from agentrl.common.watchdog import RunLock
 
     config = tmp_path / "c.toml"
     config.write_text(f'[[tools]]\ncommand = ["{sys.executable}", "-c", "import sys; print(\'no\', file=sys.stderr); sys.exit(3)"]\n')

@@ -22,7 +22,7 @@ EXAMPLES = {"arithmetic": {"calculator"}, "travel": {"get_weather", "find_flight
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_plays_its_demonstrations_through_its_real_tools(name, tmp_path, tokenizer, monkeypatch):
-    from agentrl.common.watchdog import read_proc
+    from agentrl.common.proctable import read_proc
     from agentrl.engine.episode import play
     from agentrl.engine.services import Connections, start_services
     from agentrl.engine.tasksets import load_taskset

@@ -41,7 +41,7 @@ def test_anchor_adds_coef_times_the_demonstrations_nll_gradient_to_the_rl_step()
     config = TrainerConfig(precision="fp32", kernels="reference", optimizer=OptimizerConfig(lr=1e-9, grad_clip=0.0))
     group = make_group("g", [1.0, 0.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
     advs = compute_advantages([group], RewardWeights(), AdvantageConfig("grpo"))[0]
-    rl = build_micro_batches([Sample("g", t.sample_index, t, a) for t, a in zip(group.trajectories, advs)], 4096)
+    rl = build_micro_batches([Sample("g", t.sample_index, t, a) for t, a in zip(group.trajectories, advs, strict=True)], 4096)
     anchor = build_micro_batches(_demos(3), 4096)
 
     plain = _trainer(config)
@@ -69,7 +69,7 @@ def test_anchor_raises_the_demonstrations_likelihood_where_rl_alone_has_no_gradi
     group = make_group("solved", [1.0, 1.0], turns=[(6, 3), (5, 0)], vocab_size=VOCAB)
     advs = compute_advantages([group], RewardWeights(), AdvantageConfig("grpo"))[0]
     assert all(not a.any() for a in advs)
-    rl = build_micro_batches([Sample("solved", t.sample_index, t, a) for t, a in zip(group.trajectories, advs)], 4096)
+    rl = build_micro_batches([Sample("solved", t.sample_index, t, a) for t, a in zip(group.trajectories, advs, strict=True)], 4096)
     anchor = build_micro_batches(_demos(2), 4096)
     trainer = _trainer(config)
     first = trainer.rl_step(rl, anchor=anchor, anchor_coef=1.0).kernel_stats["anchor_nll"]

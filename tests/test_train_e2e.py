@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.common.watchdog import all_processes, descendants, same_process
+from agentrl.common.proctable import all_processes, descendants, same_process
 from agentrl.learner.checkpoint import load_latest_checkpoint
 
 CONFIG = """

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from agentrl.common.watchdog import RunLock, RunLockedError, read_proc
+from agentrl.common.proctable import read_proc
+from agentrl.common.watchdog import RunLock, RunLockedError
 
 OWNER = """
 import os, subprocess, sys, time

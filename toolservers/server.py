@@ -329,19 +329,25 @@ class ToolServer:
         poller.register(sock, zmq.POLLIN)
         fd_owner: dict[int, Tool] = {}
         while not self._stop:
-            fd_owner = self._sync_fds(poller, fd_owner)
             # Replies held for stalled peers: retry sending them every 2 ms (ZeroMQ tells no one
             # when a peer's queue drains).
-            events = poller.poll(2 if self._outbound else 50)
-            for target, _ in events:
-                if target is sock:
-                    self._read_requests(sock)
-                else:
-                    self._finish(fd_owner[target].on_readable(target))
-            now = time.monotonic()
-            for tool in self.tools.values():
-                self._finish(tool.tick(now))
-            self._flush(sock)
+            fd_owner = self._poll_once(sock, poller, fd_owner, 2 if self._outbound else 50)
+
+    def _poll_once(self, sock: zmq.Socket, poller: zmq.Poller, fd_owner: dict[int, Tool],
+                   timeout_ms: int) -> dict[int, Tool]:
+        """One turn of the server: wait up to `timeout_ms` for requests and the tools' descriptors,
+        handle what arrived, let each tool move its running jobs on, send what can be sent."""
+        fd_owner = self._sync_fds(poller, fd_owner)
+        for target, _ in poller.poll(timeout_ms):
+            if target is sock:
+                self._read_requests(sock)
+            else:
+                self._finish(fd_owner[target].on_readable(target))
+        now = time.monotonic()
+        for tool in self.tools.values():
+            self._finish(tool.tick(now))
+        self._flush(sock)
+        return fd_owner
 
     def _shutdown(self, sock: zmq.Socket) -> None:
         for tool in self.tools.values():
@@ -355,16 +361,7 @@ class ToolServer:
         poller.register(sock, zmq.POLLIN)
         fd_owner: dict[int, Tool] = {}
         while time.monotonic() < end and any(t.num_running() for t in self.tools.values()):
-            fd_owner = self._sync_fds(poller, fd_owner)
-            for target, _ in poller.poll(20):
-                if target is sock:
-                    self._read_requests(sock)
-                else:
-                    self._finish(fd_owner[target].on_readable(target))
-            now = time.monotonic()
-            for tool in self.tools.values():
-                self._finish(tool.tick(now))
-            self._flush(sock)
+            fd_owner = self._poll_once(sock, poller, fd_owner, 20)
         for tool in self.tools.values():
             self._finish(tool.abort_running())
         self._flush(sock)

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from agentrl.common.config import config_dataclass
 from agentrl.engine.env import EpisodeState, Reward, ToolEnv
 from agentrl.engine.task import Task
-from agentrl.engine.tasksets import TaskSet
+from agentrl.engine.tasksets import TaskSet, generated_taskset
 from agentrl.toolservers.calculator import evaluate
 
 # (template, expression) pairs; {a}, {b}, {c} are filled with numbers.
@@ -77,15 +76,7 @@ class Options:
 
 def load_tasks(options: Options, workdir: Path) -> TaskSet:
     """Train and held-out problems from disjoint seeds."""
-    train_rng, heldout_rng = random.Random(f"{options.seed}-train"), random.Random(f"{options.seed}-heldout")
-    train = [problem(train_rng, i, "train") for i in range(options.num_train)]
-    heldout = [problem(heldout_rng, i, "heldout") for i in range(options.num_heldout)]
-
-    def train_pool(version: Callable[[], int]) -> Iterator[Task]:
-        while True:
-            yield from train
-
-    return TaskSet(heldout=heldout, train_pool=train_pool)
+    return generated_taskset(options.seed, options.num_train, options.num_heldout, problem)
 
 
 load_tasks.Options = Options

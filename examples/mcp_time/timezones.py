@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -28,7 +27,7 @@ from zoneinfo import ZoneInfo
 from agentrl.common.config import config_dataclass
 from agentrl.engine.env import EpisodeState, Reward, ToolEnv
 from agentrl.engine.task import Task
-from agentrl.engine.tasksets import TaskSet
+from agentrl.engine.tasksets import TaskSet, generated_taskset
 
 CITIES = {
     "Tokyo": "Asia/Tokyo", "London": "Europe/London", "New York": "America/New_York", "Paris": "Europe/Paris",
@@ -83,15 +82,7 @@ class Options:
 
 def load_tasks(options: Options, workdir: Path) -> TaskSet:
     """Train and held-out questions from disjoint seeds."""
-    train_rng, heldout_rng = random.Random(f"{options.seed}-train"), random.Random(f"{options.seed}-heldout")
-    train = [question(train_rng, i, "train") for i in range(options.num_train)]
-    heldout = [question(heldout_rng, i, "heldout") for i in range(options.num_heldout)]
-
-    def train_pool(version: Callable[[], int]) -> Iterator[Task]:
-        while True:
-            yield from train
-
-    return TaskSet(heldout=heldout, train_pool=train_pool)
+    return generated_taskset(options.seed, options.num_train, options.num_heldout, question)
 
 
 load_tasks.Options = Options

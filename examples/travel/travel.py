@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 from agentrl.common.config import config_dataclass
 from agentrl.engine.env import EpisodeState, Reward, ToolEnv
 from agentrl.engine.task import Task
-from agentrl.engine.tasksets import TaskSet
+from agentrl.engine.tasksets import TaskSet, generated_taskset
 
 CONDITIONS = ("sunny", "cloudy", "rain", "snow", "windy", "fog")
 _ONSETS = ["b", "br", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "th"]
@@ -163,15 +162,8 @@ class Options:
 
 def load_tasks(options: Options, workdir: Path) -> TaskSet:
     world = World.generate(options.seed)
-    train_rng, heldout_rng = random.Random(f"{options.seed}-train"), random.Random(f"{options.seed}-heldout")
-    train = [make_task(world, train_rng, f"travel-train-{i}") for i in range(options.num_train)]
-    heldout = [make_task(world, heldout_rng, f"travel-heldout-{i}") for i in range(options.num_heldout)]
-
-    def train_pool(version: Callable[[], int]) -> Iterator[Task]:
-        while True:
-            yield from train
-
-    return TaskSet(heldout=heldout, train_pool=train_pool)
+    return generated_taskset(options.seed, options.num_train, options.num_heldout,
+                             lambda rng, i, split: make_task(world, rng, f"travel-{split}-{i}"))
 
 
 load_tasks.Options = Options
