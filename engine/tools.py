@@ -138,6 +138,7 @@ SEARCH_PARAMETERS = {
 
 class LocalSearchTool(Tool):
     """BM25 search over passages held in this process; results are [{"id","title","text","score"}].
+    The search service's index (`toolservers.search.BM25Index`), so it ranks as the service does.
 
     For tests, gold trajectories and the benchmark; a training run uses the search service."""
 
@@ -146,23 +147,13 @@ class LocalSearchTool(Tool):
     parameters = SEARCH_PARAMETERS
 
     def __init__(self, passages: list[dict], default_top_k: int = 3):
-        import bm25s
+        from agentrl.toolservers.search import BM25Index
 
-        self._passages = passages
+        self._index = BM25Index.build(passages)
         self._default_top_k = default_top_k
-        self._retriever = bm25s.BM25()
-        corpus_tokens = bm25s.tokenize([f"{p['title']} {p['text']}" for p in passages], stopwords="en", show_progress=False)
-        self._retriever.index(corpus_tokens, show_progress=False)
 
     def search(self, query: str, top_k: int | None = None) -> list[dict]:
-        import bm25s
-
-        k = min(top_k or self._default_top_k, len(self._passages))
-        tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
-        if not tokens.vocab:
-            return []
-        docs, scores = self._retriever.retrieve(tokens, k=k, show_progress=False)
-        return [{**self._passages[int(i)], "score": round(float(s), 4)} for i, s in zip(docs[0], scores[0], strict=True) if s > 0]
+        return self._index.search([query], [top_k or self._default_top_k])[0]
 
     async def execute(self, arguments: dict, timeout_s: float | None = None) -> ToolResult:
         start = time.perf_counter()

@@ -38,6 +38,50 @@ log = logging.getLogger(__name__)
 MAX_TOP_K = 50
 
 
+class BM25Index:
+    """BM25 over passages ({"id", "title", "text"}), title and text indexed together; the one index
+    behind the search service and the in-process `LocalSearchTool` (engine/tools.py), so both rank a
+    query the same way."""
+
+    def __init__(self, passages: list[dict], tokenizer: Tokenizer, retriever: bm25s.BM25):
+        self.passages, self.tokenizer, self.retriever = passages, tokenizer, retriever
+
+    @classmethod
+    def build(cls, passages: list[dict], k1: float = 1.5, b: float = 0.75) -> BM25Index:
+        tokenizer = Tokenizer(stopwords="en", stemmer=None)
+        ids = tokenizer.tokenize([f"{p['title']}\n{p['text']}" for p in passages], return_as="ids", show_progress=False)
+        retriever = bm25s.BM25(k1=k1, b=b)
+        retriever.index(ids, show_progress=False)
+        return cls(passages, tokenizer, retriever)
+
+    @classmethod
+    def load(cls, passages: list[dict], folder: Path) -> BM25Index:
+        tokenizer = Tokenizer(stopwords="en", stemmer=None)
+        tokenizer.load_vocab(str(folder))
+        return cls(passages, tokenizer, bm25s.BM25.load(str(folder), show_progress=False))
+
+    def save(self, folder: Path) -> None:
+        self.retriever.save(str(folder), show_progress=False)
+        self.tokenizer.save_vocab(str(folder))
+
+    def search(self, queries: list[str], top_ks: list[int], num_threads: int = 1) -> list[list[dict]]:
+        """The best passages for each query (at most its top_k, each with its "score"); passages with
+        score 0 (no query term in common) are left out, so a query of stopwords only finds []."""
+        top_ks = [min(k, len(self.passages)) for k in top_ks]
+        query_ids = self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
+        doc_idx, scores = self.retriever.retrieve(query_ids, k=max(top_ks), show_progress=False,
+                                                  n_threads=0 if num_threads == 1 else num_threads)
+        results = []
+        for row, top_k in enumerate(top_ks):
+            hits = []
+            for idx, score in zip(doc_idx[row][:top_k], scores[row][:top_k], strict=True):
+                if score <= 0:
+                    break
+                hits.append({**self.passages[int(idx)], "score": round(float(score), 4)})
+            results.append(hits)
+        return results
+
+
 @dataclass
 class SearchConfig:
     corpus_path: str
@@ -93,24 +137,21 @@ class SearchTool(Tool):
     def __init__(self, config: SearchConfig):
         config.validate()
         self.config = config
-        self.passages: list[dict] = []
-        self.retriever: bm25s.BM25 | None = None
-        self.tokenizer: Tokenizer | None = None
+        self.index: BM25Index | None = None
         self.cache_hit = False
 
     def start(self) -> None:
         t0 = time.monotonic()
-        self.passages = load_corpus(self.config.corpus_path)
+        passages = load_corpus(self.config.corpus_path)
         entry = Path(self.config.cache_dir) / self._cache_key()
         self.cache_hit = entry.is_dir()
         if self.cache_hit:
-            self.retriever = bm25s.BM25.load(str(entry / "index"), show_progress=False)
-            self.tokenizer = Tokenizer(stopwords="en", stemmer=None)
-            self.tokenizer.load_vocab(str(entry / "index"))
+            self.index = BM25Index.load(passages, entry / "index")
         else:
-            self._build_and_cache(entry)
+            self.index = BM25Index.build(passages, self.config.k1, self.config.b)
+            self._cache(entry)
         log.info(
-            "search index over %d passages %s in %.2f s", len(self.passages),
+            "search index over %d passages %s in %.2f s", len(passages),
             "loaded from cache" if self.cache_hit else "built", time.monotonic() - t0,
         )
 
@@ -119,17 +160,11 @@ class SearchTool(Tool):
         h.update(f"bm25s={bm25s.__version__};stopwords=en;k1={self.config.k1};b={self.config.b}".encode())
         return h.hexdigest()[:32]
 
-    def _build_and_cache(self, entry: Path) -> None:
-        self.tokenizer = Tokenizer(stopwords="en", stemmer=None)
-        texts = [f"{p['title']}\n{p['text']}" for p in self.passages]
-        ids = self.tokenizer.tokenize(texts, return_as="ids", show_progress=False)
-        self.retriever = bm25s.BM25(k1=self.config.k1, b=self.config.b)
-        self.retriever.index(ids, show_progress=False)
+    def _cache(self, entry: Path) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".building-"))
         try:
-            self.retriever.save(str(tmp / "index"), show_progress=False)
-            self.tokenizer.save_vocab(str(tmp / "index"))
+            self.index.save(tmp / "index")
             os.rename(tmp, entry)
         except FileExistsError:
             pass  # another server built the same entry first; ours is identical
@@ -143,21 +178,7 @@ class SearchTool(Tool):
                 shutil.rmtree(tmp)
 
     def run_batch(self, jobs: list[Job]) -> list[Outcome]:
-        assert self.retriever is not None and self.tokenizer is not None
-        queries = [job.args["query"] for job in jobs]
-        top_ks = [min(job.args.get("top_k", 3), len(self.passages)) for job in jobs]
-        query_ids = self.tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
-        doc_idx, scores = self.retriever.retrieve(
-            query_ids, k=max(top_ks), show_progress=False,
-            n_threads=0 if self.config.num_threads == 1 else self.config.num_threads,
-        )
-        outcomes = []
-        for row, top_k in enumerate(top_ks):
-            hits = []
-            for idx, score in zip(doc_idx[row][:top_k], scores[row][:top_k], strict=True):
-                if score <= 0:
-                    break
-                passage = self.passages[int(idx)]
-                hits.append({**passage, "score": round(float(score), 4)})
-            outcomes.append(Outcome(True, hits))
-        return outcomes
+        assert self.index is not None
+        hits = self.index.search([job.args["query"] for job in jobs], [job.args.get("top_k", 3) for job in jobs],
+                                 self.config.num_threads)
+        return [Outcome(True, h) for h in hits]
