@@ -118,20 +118,24 @@ def time_table(phases: dict, evals: list[dict]) -> list[str]:
 
 
 def failure_table(rows: list[tuple[str, dict | None]]) -> list[str]:
-    """Markdown: for each policy and hop count (`by_num_hops`), the share of episodes with each
-    failure label the environment reports (metrics `fail_*`, e.g. engine/qa.py FAILURE_LABELS);
-    [] when none does."""
-    labels = sorted({k for _, r in rows if r for cell in r.get("by_num_hops", {}).values() for k in cell
-                     if k.startswith("fail_")})
-    if not labels:
+    """Markdown: for each policy and each value of the first metadata key the scores are broken down
+    by (`by_KEY`, the environment's `report_by`; QA: num_hops), the share of episodes with each
+    failure label the environment reports (metrics `fail_*`, e.g. the QA environment's
+    FAILURE_LABELS); [] when none does."""
+    keys = sorted({k for _, r in rows if r for k in r if k.startswith("by_")
+                   and any(label.startswith("fail_") for cell in r[k].values() for label in cell)})
+    if not keys:
         return []
-    lines = ["", "### Why held-out answers are wrong, by hop count", "",
-             "Share of the episodes of each hop count (one episode can carry several labels):", "",
-             "| policy | hops | n | score | " + " | ".join(k.removeprefix("fail_") for k in labels) + " |",
+    key = keys[0]
+    labels = sorted({k for _, r in rows if r for cell in r.get(key, {}).values() for k in cell if k.startswith("fail_")})
+    name_of_key = key.removeprefix("by_")
+    lines = ["", f"### Why held-out answers are wrong, by {name_of_key}", "",
+             f"Share of the episodes of each {name_of_key} (one episode can carry several labels):", "",
+             f"| policy | {name_of_key} | n | score | " + " | ".join(k.removeprefix("fail_") for k in labels) + " |",
              "| --- " * (len(labels) + 4) + "|"]
     for name, r in rows:
-        for hops, cell in sorted((r or {}).get("by_num_hops", {}).items()):
-            lines.append(f"| {name} | {hops} | {cell['n']} | {cell['score']:.3f} | "
+        for value, cell in sorted((r or {}).get(key, {}).items()):
+            lines.append(f"| {name} | {value} | {cell['n']} | {cell['score']:.3f} | "
                          + " | ".join(f"{cell.get(k, 0.0):.2f}" for k in labels) + " |")
     return lines
 

@@ -911,11 +911,12 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
     }
     if not summary["rl_ran"]:
         summary["rl_note"] = no_rl_reason(phases)
-    if "em" in final:  # the QA job's own keys, kept beside the generic ones
-        rag = phases["baseline"].get("baselines", {}).get("naive_rag")
-        summary |= {"em_before": round(base["em"], 4), "em_sft": round(sft["em"], 4) if "em" in sft else None,
-                    "em_after": round(final["em"], 4), "f1_before": round(base["f1"], 4), "f1_after": round(final["f1"], 4),
-                    "em_naive_rag": round(rag["em"], 4) if rag else None}
+    for metric in env_class(supervisor.config.env).summary_metrics:  # the environment's own keys (QA: em, f1)
+        for label, s in (("before", base), ("sft", sft), ("after", final)):
+            if metric in s:
+                summary[f"{metric}_{label}"] = round(s[metric], 4)
+    for name, s in phases["baseline"].get("baselines", {}).items():
+        summary[f"{final['score_metric']}_{name}"] = round(s["score"], 4)
     for key in sorted(k for k in final if k.startswith("by_")):
         name = key.replace("by_num_", "by_")  # a count in the metadata (num_hops) reads as by_hops
         for label, s in (("before", base), ("sft", sft), ("after", final)):

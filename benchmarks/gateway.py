@@ -90,7 +90,7 @@ class _Answer(msgspec.Struct):
 
 
 def agent_messages(question: str) -> list[dict]:
-    from agentrl.engine.qa import EXAMPLE_MESSAGES
+    from agentrl.envs.multihop_qa.env import EXAMPLE_MESSAGES
 
     system = ("You answer questions by searching a knowledge base. Look up one fact per search. "
               "When you know the answer, reply <answer>short answer</answer>.")
@@ -138,8 +138,8 @@ async def run_sessions(host: str, port: int, model: str, questions: list[str], p
 
 async def gateway_side(model_dir: str, standin_url: str, standin_pid: int, num_sessions: int, num_turns: int, num_runs: int,
                        gateway_cpu: int | None) -> dict:
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import SEARCH_PARAMETERS
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
     world, tasks = synthetic_tasks(split="train", num=256, config=SyntheticQAConfig(num_companies=400))
     tools = [{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.", "parameters": SEARCH_PARAMETERS}}]

@@ -88,9 +88,9 @@ async def capacity(model_dir: str, num_prompts: int, group_size: int, num_runs: 
     from agentrl.engine.env import EnvConfig
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
     from agentrl.engine.pool import ServerPool
-    from agentrl.engine.qa import MultiHopQAEnv
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import SEARCH_PARAMETERS, FunctionTool
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
     port = free_port()
     server = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "standin_token_server.py"), "--port", str(port), "--tokenizer", model_dir],
@@ -357,7 +357,7 @@ async def async_vs_lockstep(pool, chat, world, tasks, env_config, sampling, conc
     before each mode."""
     from agentrl.engine.env import ToolEnv
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
-    from agentrl.engine.qa import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
 
     base_url = pool.servers[0].client.base_url
 
@@ -424,10 +424,10 @@ async def on_vllm(model_dir: str, args) -> dict:
     from agentrl.engine.env import EnvConfig
     from agentrl.engine.episode import SamplingConfig
     from agentrl.engine.pool import ServerPool
-    from agentrl.engine.qa import MultiHopQAEnv
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import SEARCH_PARAMETERS, FunctionTool
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
     world, tasks = synthetic_tasks(split="train", num=max(args.avl_episodes, 256), config=SyntheticQAConfig(num_companies=400))
     chat = ChatFormat(AutoTokenizer.from_pretrained(model_dir))

@@ -111,10 +111,10 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
     from agentrl.common.model import resolve_model
     from agentrl.engine.chat import ChatFormat
     from agentrl.engine.episode import build_demonstration
-    from agentrl.engine.qa import MultiHopQAEnv
-    from agentrl.engine.tasks import load_passages
     from agentrl.engine.tasksets import load_taskset
     from agentrl.engine.tools import FunctionTool
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.tasks import load_passages
     from agentrl.learner.config import LearnerConfig
     from agentrl.runconfig import sft_learner_overrides
     from agentrl.toolservers.search import SearchTool

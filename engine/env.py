@@ -27,7 +27,9 @@ looks inside a task. The hooks (override what you need; docs/ENVIRONMENTS.md has
 
 and class attributes: `Options` (the dataclass `[env.options]` is checked against),
 `required_tools` (built-in tool services it needs started), `score_metric` (the trajectory
-metric reported as the held-out score), `report_by` (metadata keys to break scores down by).
+metric reported as the held-out score), `report_by` (metadata keys to break scores down by),
+`summary_metrics` (trajectory metrics the run's JSON line also reports before training, after SFT
+and at the end, as METRIC_before, METRIC_sft, METRIC_after).
 
 The Tool / ToolEnv split (Agent-R1): a Tool says what happened (content, success, latency); the
 environment decides what it means. Rules the mechanics own (all in `EnvConfig`): max turns, max
@@ -228,6 +230,8 @@ class ToolEnv:
     """The trajectory metric reported as the held-out score (score_before / score_after)."""
     report_by: tuple[str, ...] = ()
     """Task metadata keys by which held-out scores are also broken down (e.g. "num_hops")."""
+    summary_metrics: tuple[str, ...] = ()
+    """Trajectory metrics the run's JSON line reports as METRIC_before / _sft / _after (e.g. "em")."""
     user_prefix: str = ""
     """Prepended to `task.prompt` by the default `first_messages`."""
     finish_parameters: dict | None = None

@@ -1,6 +1,6 @@
 """The environment a config names (`[env] class`, `[env.options]`), built for a run.
 
-Built-in names: "multihop_qa" (engine/qa.py). Anything else is "package.module:Class", a subclass
+Built-in names: "multihop_qa" (agentrl/envs/multihop_qa, imported when named). Anything else is "package.module:Class", a subclass
 of `ToolEnv`. `env_class` and `env_options` run at config-check time (a bad class or option stops
 the run before any server starts); `make_env` builds the instance each process runs on.
 """
@@ -13,9 +13,8 @@ from agentrl.common.config import ConfigError, Origins
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.plugins import build_options, resolve
-from agentrl.engine.qa import MultiHopQAEnv
 
-ENVIRONMENTS: dict[str, type[ToolEnv]] = {"multihop_qa": MultiHopQAEnv}
+ENVIRONMENTS: dict[str, type[ToolEnv] | str] = {"multihop_qa": "agentrl.envs.multihop_qa.env:MultiHopQAEnv"}
 
 
 def env_class(config: EnvConfig) -> type[ToolEnv]:

@@ -87,9 +87,8 @@ def summarize(label: str, env, tasks: list[Task], trajectories: list, **extra) -
                                         "calls_per_episode": _mean([t.metrics.get("num_tool_calls", 0.0) for t in sel]),
                                         **{k: _mean([t.metrics.get(k, 0.0) for t in sel]) for k in reported}}
                                 for value, sel in sorted(groups.items())}
-        if key == "num_hops":
-            for value, sel in sorted(groups.items()):
-                summary[f"{metric}_{value}hop"] = _mean([t.metrics.get(metric, 0.0) for t in sel])
+        for value, cell in summary[f"by_{key}"].items():  # flat, for the curves (TensorBoard: heldout/em_num_hops_2)
+            summary[f"{metric}_{key}_{value}"] = cell["score"]
     return summary
 
 

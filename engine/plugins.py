@@ -23,10 +23,13 @@ from agentrl.common.config import ConfigError, Origins, build
 
 
 def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> Any:
-    """The object `path` names: a key of `builtins`, or "package.module:attribute"."""
+    """The object `path` names: a key of `builtins` (whose value is the object, or the
+    "package.module:attribute" it is imported from), or "package.module:attribute"."""
     builtins = builtins or {}
     if path in builtins:
-        return builtins[path]
+        if not isinstance(builtins[path], str):
+            return builtins[path]
+        path = builtins[path]
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         known = f"neither a built-in ({', '.join(builtins)}) nor" if builtins else "not"

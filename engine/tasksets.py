@@ -12,11 +12,9 @@ A loader is `load(options, workdir) -> TaskSet`, with `options` an instance of i
 dataclass (declared as the function's `Options` attribute; built from `[tasks.options]` with the
 same strict checks as every config; a loader without `Options` takes none). Built-in loaders:
 
-- "synthetic": the seeded multi-hop world of `tasks.py` (corpus written to `workdir`), held-out
-  questions of the world's held-out split, and a training stream that follows a curriculum of hop
-  counts by learner version.
-- "datasets": HotpotQA / 2WikiMultihopQA / MuSiQue files in their published formats
-  (`train_files`, `eval_files`) and a passage corpus JSONL (`corpus`) for the search service.
+- "synthetic" and "datasets": the multi-hop QA environment's (agentrl/envs/multihop_qa/loaders.py:
+  its seeded world with a curriculum of hop counts; HotpotQA / 2WikiMultihopQA / MuSiQue files),
+  registered here by name, as any package's loader can be by its "package.module:function";
 - "jsonl": generic tasks, one JSON object per line ({"id", "prompt" or "messages", "reference",
   "metadata"}: engine/task.py), a file per split.
 - "hf_datasets": a Hugging Face `datasets` folder written by `save_to_disk` (a DatasetDict with
@@ -35,11 +33,10 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from agentrl.common.config import ConfigError, Origins, config_dataclass
 from agentrl.common.files import iter_jsonl
-from agentrl.engine import tasks as T
 from agentrl.engine.plugins import build_options, resolve
 from agentrl.engine.task import Task, TaskError, check_unique_ids
 
@@ -77,151 +74,16 @@ def generated_taskset(seed: int, num_train: int, num_heldout: int,
     train_rng, heldout_rng = random.Random(f"{seed}-train"), random.Random(f"{seed}-heldout")
     train = [make(train_rng, i, "train") for i in range(num_train)]
     heldout = [make(heldout_rng, i, "heldout") for i in range(num_heldout)]
-    return TaskSet(heldout=heldout, train_pool=_cycled(train, "training tasks"))
+    return TaskSet(heldout=heldout, train_pool=cycled(train, "training tasks"))
 
 
-def _cycled(tasks: list[Task], what: str) -> Callable[[Callable[[], int]], Iterator[Task]]:
+def cycled(tasks: list[Task], what: str) -> Callable[[Callable[[], int]], Iterator[Task]]:
     def pool(version: Callable[[], int]) -> Iterator[Task]:
         if not tasks:
             raise ValueError(f"the task set has no {what}: it can evaluate, not train")
         return itertools.cycle(tasks)
 
     return pool
-
-
-# ---------------------------------------------------------------- the synthetic world
-
-
-@config_dataclass
-class CurriculumStage:
-    hops: list[int]
-    """Hop counts of the training questions in this stage (drawn uniformly)."""
-    until_version: int | None = None
-    """Learner version (optimizer steps, SFT included) at which the next stage takes over; None: last stage."""
-
-
-@config_dataclass
-class SyntheticOptions:
-    seed: int = 0
-    """Seed of the world (entities, facts, corpus) and of question sampling."""
-    num_companies: int = 400
-    """World size (each company has a founder and a product); the held-out split is 20% of it."""
-    heldout_num: int = 48
-    """Held-out questions evaluated before, during and after training."""
-    heldout_hops: list[int] = field(default_factory=lambda: [1, 2])
-    """Hop counts of the held-out questions (1-4)."""
-    num_train: int = 400
-    """Distinct training questions drawn per curriculum stage (cycled)."""
-    curriculum: list[CurriculumStage] = field(
-        default_factory=lambda: [CurriculumStage(hops=[1], until_version=6), CurriculumStage(hops=[1, 2])])
-    """Stages of training hop counts, in order; the last has no `until_version`."""
-    demonstration_hops: list[int] = field(default_factory=lambda: [1, 2])
-    """Hop counts of the training questions the SFT cold start demonstrates; a repeated count weighs
-    more (`[1, 2, 2]`: two thirds 2-hop)."""
-    transfer_hops: list[int] = field(default_factory=lambda: [3])
-    """Hop counts of the transfer questions (held-out split, never trained on; `TaskSet.transfer`)."""
-    transfer_num: int = 24
-    """Transfer questions; 0: none."""
-
-    def __post_init__(self) -> None:
-        for name, hops in (("heldout_hops", self.heldout_hops), ("demonstration_hops", self.demonstration_hops),
-                           ("curriculum", [h for s in self.curriculum for h in s.hops]),
-                           ("transfer_hops", self.transfer_hops)):
-            bad = [h for h in hops if h not in (1, 2, 3, 4)]
-            if bad or not hops:
-                raise ValueError(f"{name}: hop counts must be 1-4 (and at least one), got {hops}")
-        if self.transfer_num < 0:
-            raise ValueError(f"transfer_num must be >= 0, got {self.transfer_num}")
-        if self.curriculum[-1].until_version is not None:
-            raise ValueError("curriculum: the last stage must not set until_version (it runs to the end)")
-
-
-def load_synthetic(options: SyntheticOptions, workdir: Path) -> TaskSet:
-    world = T.SyntheticWorld.generate(T.SyntheticQAConfig(seed=options.seed, num_companies=options.num_companies))
-    heldout = world.questions("heldout", hops=options.heldout_hops, num=options.heldout_num, seed=options.seed)
-    stages = options.curriculum
-    pools = [world.questions("train", hops=s.hops, num=min(options.num_train, world.num_questions("train", s.hops)),
-                             seed=options.seed + i) for i, s in enumerate(stages)]
-
-    def train_pool(version: Callable[[], int]) -> Iterator[Task]:
-        cursors = [0] * len(pools)
-        while True:
-            v = version()
-            stage = next(i for i, s in enumerate(stages) if s.until_version is None or v < s.until_version)
-            yield pools[stage][cursors[stage] % len(pools[stage])]
-            cursors[stage] += 1
-
-    def demonstration_pool(num: int) -> list[Task]:
-        return world.questions("train", hops=options.demonstration_hops, num=num, seed=options.seed + 100)
-
-    try:
-        transfer = (world.questions("heldout", hops=options.transfer_hops, num=options.transfer_num, seed=options.seed + 200)
-                    if options.transfer_num else [])
-    except ValueError as e:  # the world's own count check, named by the option that asked
-        raise ValueError(f"[tasks.options] transfer_num = {options.transfer_num}: {e}") from e
-    return TaskSet(heldout=heldout, train_pool=train_pool, corpus=world.write_corpus(workdir / "corpus.jsonl"),
-                   demonstration_pool=demonstration_pool, transfer=transfer)
-
-
-load_synthetic.Options = SyntheticOptions
-
-
-# ---------------------------------------------------------------- published QA datasets
-
-
-@config_dataclass
-class DatasetFile:
-    format: Literal["hotpotqa", "2wikimultihopqa", "musique"]
-    """The file's published format."""
-    path: str
-    """JSON or JSONL file."""
-    limit: int | None = None
-    """Use the first `limit` questions of the file."""
-
-
-@config_dataclass
-class DatasetsOptions:
-    train_files: list[DatasetFile] = field(default_factory=list)
-    """Training questions (cycled)."""
-    eval_files: list[DatasetFile] = field(default_factory=list)
-    """Held-out questions."""
-    corpus: str = ""
-    """Passage JSONL ({"id","title","text"}, or the "contents" layout of wiki dumps) for the search
-    service; empty: the passages of the files' own contexts."""
-
-    def __post_init__(self) -> None:
-        if not self.eval_files:
-            raise ValueError("eval_files: the datasets loader needs at least one ([[tasks.options.eval_files]] tables)")
-
-
-_FORMATS = {"hotpotqa": T.load_hotpotqa, "2wikimultihopqa": T.load_2wikimultihopqa, "musique": T.load_musique}
-
-
-def _read_files(files: list[DatasetFile]) -> tuple[list[Task], list[dict]]:
-    tasks, passages = [], []
-    for f in files:
-        more, rows = _FORMATS[f.format](f.path, limit=f.limit)
-        tasks += more
-        passages += rows
-    return tasks, passages
-
-
-def load_datasets(options: DatasetsOptions, workdir: Path) -> TaskSet:
-    heldout, passages = _read_files(options.eval_files)
-    train, train_passages = _read_files(options.train_files)
-    if options.corpus:
-        corpus = Path(options.corpus)
-        if not corpus.is_file():
-            raise FileNotFoundError(f"[tasks.options] corpus: no such file {corpus}")
-    else:
-        seen: dict[str, dict] = {}
-        for p in [*passages, *train_passages]:
-            seen.setdefault(p["id"], p)
-        corpus = T.write_passages(seen.values(), workdir / "contexts.jsonl")
-    return TaskSet(heldout=heldout, train_pool=_cycled(train, "train_files"), corpus=corpus)
-
-
-load_datasets.Options = DatasetsOptions
 
 
 # ---------------------------------------------------------------- generic tasks
@@ -260,7 +122,7 @@ def read_task_file(path: str | Path, limit: int | None = None) -> list[Task]:
 def load_jsonl(options: JsonlOptions, workdir: Path) -> TaskSet:
     heldout = read_task_file(options.heldout, options.heldout_limit)
     train = read_task_file(options.train) if options.train else []
-    return TaskSet(heldout=heldout, train_pool=_cycled(train, "train file"), corpus=Path(options.corpus) if options.corpus else None)
+    return TaskSet(heldout=heldout, train_pool=cycled(train, "train file"), corpus=Path(options.corpus) if options.corpus else None)
 
 
 load_jsonl.Options = JsonlOptions
@@ -315,7 +177,7 @@ def load_hf_datasets(options: HFDatasetsOptions, workdir: Path) -> TaskSet:
         return out
 
     train = rows(options.train_split, None) if options.train_split else []
-    return TaskSet(heldout=rows(options.heldout_split, options.heldout_limit), train_pool=_cycled(train, "train split"))
+    return TaskSet(heldout=rows(options.heldout_split, options.heldout_limit), train_pool=cycled(train, "train split"))
 
 
 load_hf_datasets.Options = HFDatasetsOptions
@@ -324,8 +186,13 @@ load_hf_datasets.Options = HFDatasetsOptions
 # ---------------------------------------------------------------- the registry
 
 
-LOADERS: dict[str, Callable[..., TaskSet]] = {"synthetic": load_synthetic, "datasets": load_datasets, "jsonl": load_jsonl,
-                                             "hf_datasets": load_hf_datasets}
+# The multi-hop QA loaders are the QA environment package's, registered by name as a user's would be.
+LOADERS: dict[str, Callable[..., TaskSet] | str] = {
+    "synthetic": "agentrl.envs.multihop_qa.loaders:load_synthetic",
+    "datasets": "agentrl.envs.multihop_qa.loaders:load_datasets",
+    "jsonl": load_jsonl,
+    "hf_datasets": load_hf_datasets,
+}
 
 
 @config_dataclass

@@ -16,10 +16,10 @@ import pytest
 from agentrl.common.config import ConfigError
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig
-from agentrl.engine.metrics import exact_match
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.parsers import HermesParser
-from agentrl.engine.qa import MultiHopQAEnv
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.metrics import exact_match
 from agentrl.runconfig import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ class RecordingPool:
 
 @pytest.fixture(scope="module")
 def world_tasks():
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
     return synthetic_tasks(split="heldout", num=4, config=SyntheticQAConfig(num_companies=60))
 
@@ -259,7 +259,7 @@ class ScriptedPool:
 
 @pytest.fixture(scope="module")
 def qa_world():
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
     return synthetic_tasks(split="heldout", num=2, config=SyntheticQAConfig(num_companies=30))
 

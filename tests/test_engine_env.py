@@ -14,9 +14,9 @@ from agentrl.engine import rewards as R
 from agentrl.engine.chat import ChatFormat, render
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, build_demonstration, run_episode
-from agentrl.engine.qa import MultiHopQAEnv
-from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import FunctionTool, LocalSearchTool, ToolUnavailable
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
 # A malformed-call corpus: each line is one action a policy might produce.
 MALFORMED_ACTIONS = [

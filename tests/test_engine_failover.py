@@ -12,9 +12,9 @@ from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.pool import ServerPool
-from agentrl.engine.qa import MultiHopQAEnv
-from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import LocalSearchTool
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

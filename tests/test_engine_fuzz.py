@@ -28,9 +28,9 @@ from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.episode import SamplingConfig, run_episode
 from agentrl.engine.parsers import HermesParser, Llama3JsonParser, MistralParser
-from agentrl.engine.qa import MultiHopQAEnv
-from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks, write_passages
 from agentrl.engine.tools import remote_tools
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks, write_passages
 from agentrl.toolservers.client import ToolClient
 from agentrl.toolservers.process import start_toolserver
 

@@ -412,8 +412,8 @@ async def test_an_episode_through_toolenv_cannot_tell_an_mcp_tool_from_a_local_o
     from agentrl.engine.chat import ChatFormat
     from agentrl.engine.env import EnvConfig
     from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
-    from agentrl.engine.qa import MultiHopQAEnv
-    from agentrl.engine.tasks import qa_task
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.tasks import qa_task
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(prepare_model()))
     mcp_add = next(t for t in tiny.tools if t.name == "add")

@@ -16,9 +16,9 @@ from agentrl.common.transport import GroupReceiver, GroupSender, VersionPublishe
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
-from agentrl.engine.qa import MultiHopQAEnv
-from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import LocalSearchTool
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
 
 def endpoint() -> str:

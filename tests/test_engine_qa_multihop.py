@@ -14,7 +14,8 @@ from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import CallRecord, EnvConfig, format_content
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
 from agentrl.engine.evaluation import summarize
-from agentrl.engine.qa import (
+from agentrl.engine.tools import LocalSearchTool
+from agentrl.envs.multihop_qa.env import (
     EXAMPLE_1HOP,
     EXAMPLE_1HOP_PASSAGES,
     FAILURE_LABELS,
@@ -23,8 +24,7 @@ from agentrl.engine.qa import (
     QAOptions,
     retrieval_credit,
 )
-from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
-from agentrl.engine.tools import LocalSearchTool
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.report import failure_table
 
 
@@ -159,6 +159,7 @@ async def test_per_hop_summary_and_report_carry_the_failure_shares(chat, world_t
     summary = summarize("final", env, one_hop + two, trajs)
     assert summary["by_num_hops"]["1"]["score"] == 1.0 and summary["by_num_hops"]["1"]["fail_stopped_early"] == 0.0
     assert summary["by_num_hops"]["2"]["score"] == 0.0 and summary["by_num_hops"]["2"]["fail_intermediate"] == 1.0
+    assert summary["em_num_hops_1"] == 1.0 and summary["em_num_hops_2"] == 0.0  # flat, for the curves
     table = "\n".join(failure_table([("After RL (final)", summary)]))
     assert "| After RL (final) | 2 | 2 | 0.000 | 1.00 | 0.00 | 0.00 | 1.00 | 0.00 |" in table
     assert "| intermediate | query | retrieved | stopped_early | truncated |" in table

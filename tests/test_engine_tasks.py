@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.engine.metrics import exact_match, f1_score, normalize_answer
-from agentrl.engine.tasks import (
+from agentrl.envs.multihop_qa.metrics import exact_match, f1_score, normalize_answer
+from agentrl.envs.multihop_qa.tasks import (
     SyntheticQAConfig,
     SyntheticWorld,
     load_2wikimultihopqa,
@@ -120,7 +120,8 @@ def test_passage_loader_formats_and_errors(tmp_path):
 
 
 def test_synthetic_transfer_tasks_are_held_out_and_harder(tmp_path):
-    from agentrl.engine.tasksets import SyntheticOptions, TasksConfig, load_taskset
+    from agentrl.engine.tasksets import TasksConfig, load_taskset
+    from agentrl.envs.multihop_qa.loaders import SyntheticOptions
 
     config = TasksConfig(loader="synthetic", options={"num_companies": 100, "heldout_num": 20, "heldout_hops": [1, 2],
                                                        "num_train": 20, "transfer_num": 8})

@@ -17,9 +17,9 @@ from agentrl.engine.env import EnvConfig, ToolEnv
 from agentrl.engine.episode import SamplingConfig
 from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
 from agentrl.engine.pool import ServerPool
-from agentrl.engine.qa import MultiHopQAEnv
-from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
 from agentrl.engine.tools import remote_tools
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
 
 pytestmark = pytest.mark.vllm
 

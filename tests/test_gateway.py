@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from agentrl.engine.qa import EXAMPLE_MESSAGES
+from agentrl.envs.multihop_qa.env import EXAMPLE_MESSAGES
 from agentrl.gateway.sessions import session_trajectories
 
 pytestmark = pytest.mark.vllm

@@ -4,6 +4,8 @@
 - agentrl.common imports no other agentrl package; agentrl.kernels only common (its config system);
 - agentrl.toolservers imports only agentrl.common; agentrl.learner only common and kernels (never
   the orchestrator's package); agentrl.engine only common and toolservers; agentrl.gateway only common and engine;
+- agentrl.envs (environment packages) imports only common, engine and toolservers, and no other
+  component imports an environment package (the engine names them by string, as a user's);
 - no component imports the applications at the package root (agentrl.train, agentrl.cli, ...);
 - no cycle between modules.
 """
@@ -20,7 +22,7 @@ FOLDERS = {"agentrl": ROOT / "agentrl", "agentrl.engine": ROOT / "engine", "agen
            "agentrl.kernels": ROOT / "kernels", "agentrl.toolservers": ROOT / "toolservers",
            "agentrl.gateway": ROOT / "gateway"}
 COMPONENTS = ("agentrl.common", "agentrl.engine", "agentrl.learner", "agentrl.kernels", "agentrl.toolservers",
-              "agentrl.gateway")
+              "agentrl.gateway", "agentrl.envs")
 ALLOWED = {
     "agentrl.common": set(),
     "agentrl.kernels": {"agentrl.common"},
@@ -28,6 +30,7 @@ ALLOWED = {
     "agentrl.learner": {"agentrl.common", "agentrl.kernels"},
     "agentrl.engine": {"agentrl.common", "agentrl.toolservers"},
     "agentrl.gateway": {"agentrl.common", "agentrl.engine"},
+    "agentrl.envs": {"agentrl.common", "agentrl.engine", "agentrl.toolservers"},
 }
 
 

@@ -85,9 +85,9 @@ async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_
     from agentrl.engine.episode import SamplingConfig
     from agentrl.engine.orchestrator import Orchestrator, OrchestratorConfig
     from agentrl.engine.pool import ServerPool
-    from agentrl.engine.qa import MultiHopQAEnv
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import remote_tools
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.toolservers.client import ToolClient
     from agentrl.toolservers.process import start_toolserver
 
@@ -164,9 +164,9 @@ async def test_a_stopped_sft_learner_serves_the_step_it_reached(vllm_server, tok
     from agentrl.engine.chat import ChatFormat
     from agentrl.engine.env import EnvConfig
     from agentrl.engine.episode import build_demonstration
-    from agentrl.engine.qa import MultiHopQAEnv
-    from agentrl.engine.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.engine.tools import remote_tools
+    from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+    from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, synthetic_tasks
     from agentrl.learner.checkpoint import load_latest_checkpoint
     from agentrl.toolservers.client import ToolClient
     from agentrl.toolservers.process import start_toolserver

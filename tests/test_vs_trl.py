@@ -18,9 +18,9 @@ import pytest
 from agentrl.engine.chat import ChatFormat
 from agentrl.engine.env import EnvConfig, ToolEnv, format_content
 from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
-from agentrl.engine.qa import MultiHopQAEnv
-from agentrl.engine.tasks import SyntheticQAConfig, SyntheticWorld
 from agentrl.engine.tools import FunctionTool
+from agentrl.envs.multihop_qa.env import MultiHopQAEnv
+from agentrl.envs.multihop_qa.tasks import SyntheticQAConfig, SyntheticWorld
 from agentrl.toolservers.search import SearchTool
 
 REPO = Path(__file__).resolve().parents[1]

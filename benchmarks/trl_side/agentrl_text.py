@@ -1,7 +1,7 @@
 """The agentrl task rules at the text level, for the TRL side of `benchmarks/vs_trl.py`.
 
 This file runs inside the TRL venv (`.venv-trl`), which does not have agentrl installed. It loads
-agentrl's own answer parser (`engine/parsers.py`) and metrics (`engine/metrics.py`) from the
+agentrl's own answer parser (`engine/parsers.py`) and metrics (`agentrl/envs/multihop_qa/metrics.py`) from the
 repository by file path (both import only the standard library), so the two sides extract answers
 and score exact match with the same code. What agentrl's `ToolEnv` decides from token ids and live
 tool results is restated here from text, because TRL hands reward functions text:

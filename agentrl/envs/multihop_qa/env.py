@@ -1,6 +1,6 @@
 """The multi-hop question-answering environment (Agent-R1's setting), built on the public ToolEnv API.
 
-Tasks (engine/tasks.py `qa_task`): prompt = the question, reference = the gold answer and its
+Tasks (agentrl/envs/multihop_qa/tasks.py `qa_task`): prompt = the question, reference = the gold answer and its
 aliases, metadata = num_hops, source, supporting passage ids, gold search queries (synthetic).
 
     intro / example      "You answer questions by searching a knowledge base ..." and one worked
@@ -48,8 +48,8 @@ from typing import Any, Literal
 
 from agentrl.common.config import config_dataclass
 from agentrl.engine.env import EnvConfig, EpisodeState, Reward, ToolEnv, format_content
-from agentrl.engine.metrics import exact_match, f1_score
 from agentrl.engine.task import Task
+from agentrl.envs.multihop_qa.metrics import exact_match, f1_score
 
 INTRO = ('You answer questions by searching a knowledge base. Call a tool with <tool_call>{"name": "<tool name>", '
          '"arguments": {...}}</tool_call>. Look up one fact per search. When you know the answer, reply '
@@ -193,6 +193,7 @@ class MultiHopQAEnv(ToolEnv):
     required_tools = ("search",)
     score_metric = "em"
     report_by = ("num_hops", "source")
+    summary_metrics = ("em", "f1")
     user_prefix = "Question: "
 
     def intro(self) -> str:
