@@ -129,6 +129,27 @@ def gae(
     return adv_T, returns_T
 
 
+
+def gae_over_actions(samples, seq_ids_N: np.ndarray, values_N: np.ndarray, gamma: float,
+                     lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """GAE for the action tokens of packed samples (a micro-batch's `samples`, each with its weighted
+    token rewards `rewards_T`): `values_N` are the critic's values at the packed action tokens,
+    `seq_ids_N` which sample each belongs to. Returns (advantages_N, returns_N) in the same order."""
+    adv_N = np.zeros_like(values_N)
+    ret_N = np.zeros_like(values_N)
+    for s_idx, sample in enumerate(samples):
+        if sample.rewards_T is None:
+            raise ValueError(f"sample {sample.group_id}/{sample.sample_index} has no rewards_T; GAE needs them")
+        rows = np.flatnonzero(seq_ids_N == s_idx)
+        traj = sample.trajectory
+        action_T = np.flatnonzero(traj.is_action[1:]) + 1
+        values_T = np.zeros(traj.num_tokens, dtype=np.float32)
+        values_T[action_T] = values_N[rows]
+        adv_T, ret_T = gae(sample.rewards_T, values_T, traj.is_action, gamma, lam)
+        adv_N[rows] = adv_T[action_T]
+        ret_N[rows] = ret_T[action_T]
+    return adv_N, ret_N
+
 def _whiten(advs: list[np.ndarray], masks: list[np.ndarray], eps: float) -> list[np.ndarray]:
     """Whiten over all action tokens of the batch (REINFORCE++'s global normalisation)."""
     values = np.concatenate([a[m] for a, m in zip(advs, masks, strict=True)]) if advs else np.zeros(0)

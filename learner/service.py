@@ -75,6 +75,7 @@ from agentrl.learner.publish import WeightPublisher
 from agentrl.learner.ranks import Leader, Solo, follow
 from agentrl.learner.rejected import RejectedStore
 from agentrl.learner.rewards import RewardWeights, reward_metrics
+from agentrl.learner.trainer import StepStats
 
 
 def load_config(path: str | Path) -> LearnerConfig:
@@ -145,24 +146,43 @@ class Learner:
                              weights=weights, advantage=cfg.trainer.advantage)
 
     async def _train_step(self, groups: list[TrajectoryGroup], wait_s: float) -> None:
-        cfg = self.config
-        weights = cfg.reward_schedule.weights(self.step)
+        """One learner step in three calls: prepare the batch, one optimizer step on the ranks, then
+        everything that follows an applied (or refused) update."""
+        weights = self.config.reward_schedule.weights(self.step)
         batch = self.prepare(groups, weights)
-        record: dict[str, Any] = {"version": self.step + 1, "time/wait_s": wait_s, **batch.report,
-                                  **reward_metrics(groups, weights)}
+        stats, num_micro_batches = (await asyncio.to_thread(self.ranks.step, batch.samples)) if batch.samples else (None, 0)
+        await self._after_step(groups, weights, batch, stats, num_micro_batches, wait_s)
+
+    async def _after_step(self, groups: list[TrajectoryGroup], weights: RewardWeights, batch: Batch,
+                          stats: StepStats | None, num_micro_batches: int, wait_s: float) -> None:
+        """Settle the groups in the ledger; for an applied update also publish the weights, announce
+        the version, checkpoint when due and write the step's metrics."""
+        if not self._settle(batch, stats):
+            return
+        record: dict[str, Any] = {"version": self.step, "time/wait_s": wait_s, **batch.report,
+                                  **reward_metrics(groups, weights), **self._step_metrics(batch, stats, num_micro_batches)}
+        record["steps/skipped_nonfinite_grad"] = self.num_skipped_steps
+        record["groups/refused"] = self.intake.receiver.num_malformed + self.intake.num_replay_rejected
+        record["group_ids"] = batch.kept_group_ids
+        record["rejected_group_ids"], self._unreported_rejected = self._unreported_rejected, []
+        if self.config.publish_every and self.step % self.config.publish_every == 0:
+            record |= await self._publish()
+        served = self.publisher.served_version if self.publisher else 0
+        if self.version_pub is not None:
+            await self.version_pub.publish(self.step, served)
+        record["served_version"] = served
+        if self.step % self.config.checkpoint_every == 0:
+            t1 = time.perf_counter()
+            self.checkpoint()
+            record["time/checkpoint_s"] = time.perf_counter() - t1
+        self.metrics.write(self.step, record)
+
+    def _settle(self, batch: Batch, stats: StepStats | None) -> bool:
+        """Record the batch's groups as trained at the new version, or rejected; True when the update
+        was applied (the step counter moved)."""
         rejected = dict(batch.rejected)
-        stats = None
-        if batch.samples:
-            stats, num_micro_batches = await asyncio.to_thread(self.ranks.step, batch.samples)
-        if stats is not None and not stats.skipped:
-            # From the samples rather than the stats: under torchrun those count padding rows too.
-            record.update({
-                "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
-                "tokens": sum(s.num_tokens for s in batch.samples), "action_tokens": stats.num_action_tokens,
-                "sequences": len(batch.samples), "micro_batches": num_micro_batches, "time/compute_s": stats.compute_s,
-                "tokens_per_s": stats.num_tokens / stats.compute_s,
-                **{f"loss/{k}": v for k, v in stats.kernel_stats.items()},
-            })
+        applied = stats is not None and not stats.skipped
+        if applied:
             self.step += 1
             self.intake.settle({gid: self.step for gid in batch.kept_group_ids}, rejected)
         else:
@@ -170,41 +190,39 @@ class Learner:
             rejected.update({gid: why for gid in batch.kept_group_ids})
             self.intake.settle({}, rejected)
         self._unreported_rejected.extend(sorted(rejected))
-        if stats is None or stats.skipped:
-            # Nothing survived filtering, or the gradient was not finite (the trainer applied nothing): the
-            # groups are consumed (rejected) but no update happens and the step counter stays, so a version
-            # keeps meaning "optimizer steps applied". Reported with the next step's line.
-            if stats is not None:
-                self.num_skipped_steps += 1
-                print(f"learner: update {self.step + 1} skipped: gradient norm {stats.grad_norm}; its "
-                      f"{len(batch.kept_group_ids)} groups are recorded as 'nonfinite_gradient'", file=sys.stderr, flush=True)
-            return
-        record["steps/skipped_nonfinite_grad"] = self.num_skipped_steps
-        record["groups/refused"] = self.intake.receiver.num_malformed + self.intake.num_replay_rejected
-        record["group_ids"] = batch.kept_group_ids
-        record["rejected_group_ids"], self._unreported_rejected = self._unreported_rejected, []
-        if cfg.publish_every and self.step % cfg.publish_every == 0:
-            t0 = time.perf_counter()
-            snapshot = await asyncio.to_thread(self.ranks.snapshot)
-            record["time/publish_wait_prev_s"] = await self.ranks.keepalive(self.publisher.publish(self.step, snapshot))
-            self.pushed_step = self.step
-            record["time/publish_stall_s"] = time.perf_counter() - t0  # snapshot + wait for the previous push
-            if self.publisher.reports:
-                last = self.publisher.reports[-1]
-                record["publish/last_total_s"] = last.total_s
-                record["publish/last_version"] = last.version
-            record["publish/servers_down"] = len(self.publisher.down)
-            record["publish/failures"] = sum(self.publisher.num_push_failures.values())
-            record["publish/recoveries"] = self.publisher.num_recoveries
-        served = self.publisher.served_version if self.publisher else 0
-        if self.version_pub is not None:
-            await self.version_pub.publish(self.step, served)
-        record["served_version"] = served
-        if self.step % cfg.checkpoint_every == 0:
-            t1 = time.perf_counter()
-            self.checkpoint()
-            record["time/checkpoint_s"] = time.perf_counter() - t1
-        self.metrics.write(self.step, record)
+        if stats is not None and stats.skipped:
+            # The gradient was not finite (the trainer applied nothing): the groups are consumed
+            # (rejected) but the step counter stays, so a version keeps meaning "optimizer steps
+            # applied". Reported with the next step's line.
+            self.num_skipped_steps += 1
+            print(f"learner: update {self.step + 1} skipped: gradient norm {stats.grad_norm}; its "
+                  f"{len(batch.kept_group_ids)} groups are recorded as 'nonfinite_gradient'", file=sys.stderr, flush=True)
+        return applied
+
+    @staticmethod
+    def _step_metrics(batch: Batch, stats: StepStats, num_micro_batches: int) -> dict[str, Any]:
+        # From the samples rather than the stats: under torchrun those count padding rows too.
+        return {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr,
+                "tokens": sum(s.num_tokens for s in batch.samples), "action_tokens": stats.num_action_tokens,
+                "sequences": len(batch.samples), "micro_batches": num_micro_batches, "time/compute_s": stats.compute_s,
+                "tokens_per_s": stats.num_tokens / stats.compute_s,
+                **{f"loss/{k}": v for k, v in stats.kernel_stats.items()}}
+
+    async def _publish(self) -> dict[str, Any]:
+        """Push this step's weights (after the previous push finished); the publishing metrics."""
+        t0 = time.perf_counter()
+        snapshot = await asyncio.to_thread(self.ranks.snapshot)
+        record = {"time/publish_wait_prev_s": await self.ranks.keepalive(self.publisher.publish(self.step, snapshot))}
+        self.pushed_step = self.step
+        record["time/publish_stall_s"] = time.perf_counter() - t0  # snapshot + wait for the previous push
+        if self.publisher.reports:
+            last = self.publisher.reports[-1]
+            record["publish/last_total_s"] = last.total_s
+            record["publish/last_version"] = last.version
+        record["publish/servers_down"] = len(self.publisher.down)
+        record["publish/failures"] = sum(self.publisher.num_push_failures.values())
+        record["publish/recoveries"] = self.publisher.num_recoveries
+        return record
 
     async def _start_publishing(self) -> int:
         """Ask the servers what they serve (concurrently; one that does not answer is marked down,

@@ -40,11 +40,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
-from agentrl.learner.advantages import gae
+from agentrl.learner.advantages import gae_over_actions
 from agentrl.learner.batching import MicroBatch, PackedPolicy
 from agentrl.learner.trainer_config import Kernels, TrainerConfig
 
@@ -166,25 +165,17 @@ class Trainer:
                       temperature=self.config.temperature, with_entropy=with_entropy,
                       shared_prefix_len=mb.shared_prefix_len if self.config.share_prefix else 0)
 
-    def _gae_advantages(self, mb: MicroBatch, values_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages_N, returns_N) of the micro-batch by GAE from the critic's values (detached)
-        and each sample's weighted token rewards (prepared with the batch)."""
+    def _advantages(self, mb: MicroBatch, values_N: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(advantages_N, returns_N): precomputed with the batch, returns None; with the 'gae'
+        estimator, from the critic's values (detached) by `advantages.gae_over_actions`, with the
+        returns the value loss regresses on."""
+        if self.config.advantage.estimator != "gae":
+            if mb.advantages_N is None:
+                raise ValueError(f"micro-batch without advantages for the {self.config.advantage.estimator!r} estimator")
+            return mb.advantages_N, None
         adv_cfg = self.config.advantage
-        values = values_N.detach().float().cpu().numpy()
-        adv_N = np.zeros_like(values)
-        ret_N = np.zeros_like(values)
-        seq_ids = mb.seq_ids_N.cpu().numpy()
-        for s_idx, sample in enumerate(mb.samples):
-            if sample.rewards_T is None:
-                raise ValueError(f"sample {sample.group_id}/{sample.sample_index} has no rewards_T; GAE needs them")
-            rows = np.flatnonzero(seq_ids == s_idx)
-            traj = sample.trajectory
-            action_T = np.flatnonzero(traj.is_action[1:]) + 1
-            values_T = np.zeros(traj.num_tokens, dtype=np.float32)
-            values_T[action_T] = values[rows]
-            adv_T, ret_T = gae(sample.rewards_T, values_T, traj.is_action, adv_cfg.gamma, adv_cfg.lam)
-            adv_N[rows] = adv_T[action_T]
-            ret_N[rows] = ret_T[action_T]
+        adv_N, ret_N = gae_over_actions(mb.samples, mb.seq_ids_N.cpu().numpy(), values_N.detach().float().cpu().numpy(),
+                                        adv_cfg.gamma, adv_cfg.lam)
         return torch.from_numpy(adv_N).to(values_N.device), torch.from_numpy(ret_N).to(values_N.device)
 
     @on_device
@@ -215,11 +206,7 @@ class Trainer:
                 continue
             mb = mb.to(self.device)
             logprobs_N, entropy_N, values_N = self._forward(mb, with_entropy=True)
-            advantages_N = mb.advantages_N
-            if values_N is not None and cfg.advantage.estimator == "gae":
-                advantages_N, returns_N = self._gae_advantages(mb, values_N)
-            elif advantages_N is None:
-                raise ValueError(f"micro-batch without advantages for the {cfg.advantage.estimator!r} estimator")
+            advantages_N, returns_N = self._advantages(mb, values_N)
             ref_N = None
             if self.reference is not None:
                 with torch.no_grad():
@@ -230,7 +217,7 @@ class Trainer:
                 logprobs_N, logprobs_N.detach(), mb.behavior_logprobs_N, advantages_N, mask_N, mb.seq_ids_N,
                 num_seqs=mb.num_seqs, config=cfg.loss, ref_logprobs=ref_N, entropy=entropy_arg,
             )
-            if values_N is not None and cfg.advantage.estimator == "gae":
+            if returns_N is not None:
                 value_loss = 0.5 * ((values_N - returns_N) ** 2).mean()
                 loss = loss + cfg.vf_coef * value_loss
                 stats = {**stats, "value_loss": value_loss.detach()}
