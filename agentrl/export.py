@@ -75,7 +75,10 @@ Trained with agentrl from `{info['base_model']}`. Policy version {info['step']}
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained("THIS_FOLDER")
 model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")
-ids = tok.apply_chat_template([{{"role": "user", "content": "{prompt['user_prefix']}..."}}], add_generation_prompt=True, return_tensors="pt")
+inputs = tok.apply_chat_template([{{"role": "user", "content": "{prompt['user_prefix']}..."}}], add_generation_prompt=True,
+                                return_dict=True, return_tensors="pt")
+out = model.generate(**inputs, max_new_tokens=96, do_sample=False)
+print(tok.decode(out[0, inputs["input_ids"].shape[1]:]))
 ```
 
 The chat template adds the system prompt and worked example below when the conversation has no

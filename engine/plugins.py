@@ -37,13 +37,21 @@ def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> A
     try:
         module = _import_file(module_name, key) if module_name.endswith(".py") else importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"{key}: cannot import {module_name!r}: {err}") from None
+        hint = ""
+        if not module_name.endswith(".py") and Path(module_name.replace(".", "/") + ".py").is_file():
+            hint = f"; to load the file {module_name.replace('.', '/')}.py, write {module_name.replace('.', '/')}.py:{attr}"
+        elif not module_name.endswith(".py"):
+            hint = " (a module on the Python path, \"package.module:name\"; a file is \"path/to/file.py:name\")"
+        raise ConfigError(f"{key}: cannot import {module_name!r}: {err}{hint}") from None
     except Exception as err:  # noqa: BLE001 - a user module that raises on import is reported, with its error
         raise ConfigError(f"{key}: importing {module_name!r} raised {type(err).__name__}: {err}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{key}: {module_name!r} has no {attr!r}")
+            names = sorted(n for n, v in vars(obj).items() if not n.startswith("_") and isinstance(v, type)
+                           and getattr(v, "__module__", None) == getattr(module, "__name__", None))
+            has = f"; it defines the classes {', '.join(names)}" if names else ""
+            raise ConfigError(f"{key}: {module_name!r} has no {attr!r}{has}")
         obj = getattr(obj, part)
     return obj
 
@@ -51,7 +59,8 @@ def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> A
 def _import_file(path: str, key: str):
     file = Path(path).resolve()
     if not file.is_file():
-        raise ConfigError(f"{key}: no such file {path!r} (relative paths are taken from {Path.cwd()})")
+        where = "" if Path(path).is_absolute() else f" (relative paths are taken from {Path.cwd()})"
+        raise ConfigError(f"{key}: no such file {path!r}{where}")
     name = "agentrl_plugin_" + hashlib.sha1(str(file).encode()).hexdigest()[:12] + "_" + file.stem
     if name in sys.modules:
         return sys.modules[name]

@@ -241,3 +241,23 @@ def test_toml_writer_round_trips():
     data = {"a": 1, "b": [1, 2], "c": {"d": "x\"y", "e": {"f": True, "g": 0.5}}, "h": None, "odd key": 1}
     assert tomllib.loads(dump_toml(data)) == json.loads(json.dumps({k: v for k, v in data.items() if v is not None}))
 
+
+
+def test_a_plugin_path_that_fails_says_how_to_fix_it(tmp_path, monkeypatch):
+    """A file named like a module gets the file form; a missing name lists the classes the module
+    defines; an absolute path that does not exist gets no note about relative paths."""
+    from agentrl.common.config import ConfigError
+    from agentrl.engine.plugins import resolve
+
+    (tmp_path / "my_env.py").write_text("class MyEnv:\n    pass\n\nclass Other:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"to load the file my_env.py, write my_env.py:MyEnv"):
+        resolve("my_env:MyEnv", "env.class")
+    with pytest.raises(ConfigError, match=r"has no 'MyEnvv'; it defines the classes MyEnv, Other"):
+        resolve("my_env.py:MyEnvv", "env.class")
+    with pytest.raises(ConfigError) as err:
+        resolve(f"{tmp_path}/nope.py:MyEnv", "env.class")
+    assert "no such file" in str(err.value) and "relative paths" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"relative paths are taken from"):
+        resolve("nope.py:MyEnv", "env.class")
+    assert resolve("my_env.py:MyEnv", "env.class").__name__ == "MyEnv"

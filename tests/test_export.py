@@ -65,6 +65,11 @@ def test_export_loads_with_from_pretrained_and_generates(tmp_path, model_dir):
     assert (out / "agentrl" / "config.toml").read_text() == (run / "config.toml").read_text()
     readme = (out / "README.md").read_text()
     assert PROMPT["system_prompt"] in readme and "final correct: 0.25" in readme
+    # The README's snippet runs as written with the installed transformers (fewer tokens here).
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0].replace("THIS_FOLDER", str(out))
+    run_snippet = subprocess.run([sys.executable, "-c", snippet.replace("max_new_tokens=96", "max_new_tokens=3")],
+                                 capture_output=True, text=True, timeout=300)
+    assert run_snippet.returncode == 0, run_snippet.stderr[-2000:]
 
 
 def test_export_cli_names_what_is_missing(tmp_path, model_dir):
