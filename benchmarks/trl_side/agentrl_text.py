@@ -46,7 +46,7 @@ def _load(name: str, path: Path):
 
 
 parsers = _load("agentrl_text_parsers", REPO_ROOT / "engine" / "parsers.py")
-metrics = _load("agentrl_text_metrics", REPO_ROOT / "engine" / "metrics.py")
+metrics = _load("agentrl_text_metrics", REPO_ROOT / "agentrl" / "envs" / "multihop_qa" / "metrics.py")
 PARSER = parsers.HermesParser()
 
 
