@@ -204,7 +204,9 @@ def write_report(run_dir: str | Path) -> Path:
                   "budget (`--minutes`) gives RL its time (the run's log says how much this machine needs).", ""]
     lines += [f"Run directory: `{run}`", ""]
     final_label = "After RL (final)" if rl_ran else "Final (no RL step: " + ("the SFT checkpoint)" if sft_phase else "the initial model)")
-    rows = [("Base Tool Call (untrained, with tools)", base.get("base_tool_call")),
+    subset = (base.get("base_tool_call") or {}).get("subset_of")
+    rows = [("Base Tool Call (untrained, with tools" + (f"; {base['base_tool_call']['n']} of the {subset} held-out tasks)"
+                                                        if subset else ")"), base.get("base_tool_call")),
             *((name, summary) for name, summary in base.get("baselines", {}).items()),
             ("After SFT cold start", sft_phase), (final_label, phases.get("final"))]
     extra = [k for k in ("f1",) if any(r and k in r for _, r in rows)]

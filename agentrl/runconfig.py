@@ -86,6 +86,12 @@ class EvalConfig:
     """Held-out evaluation interval during RL, seconds of wall-clock."""
     baselines: bool = True
     """Also evaluate the environment's baselines once, before training (QA: Naive RAG)."""
+    baseline_questions: int = 0
+    """Evaluate the untrained policy (Base Tool Call) and the baselines on this many held-out tasks,
+    evenly spaced through the held-out set (0: all of them). The untrained policy's episodes run to
+    max_turns and cost more than a trained one's: on a slow machine a subset keeps the evaluations
+    within their share of the budget. The SFT and final evaluations always use the whole set (they
+    are compared question by question); the report gives each row's n."""
     without_tools: bool = False
     """After the final evaluation, evaluate the final policy once more with every tool disabled (same
     prompt, each call fails): a score near Base Tool Call's says the tasks are not learnable without
@@ -115,6 +121,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.max_share <= 1:
             raise ValueError(f"eval.max_share={self.max_share} must be in [0, 1]")
+        if self.baseline_questions < 0:
+            raise ValueError(f"eval.baseline_questions={self.baseline_questions} must be >= 0 (0: every held-out task)")
 
 
 @config_dataclass

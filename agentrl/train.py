@@ -393,7 +393,7 @@ class Supervisor:
         cache_dir = evalcache.default_cache_dir(cfg.eval.cache_dir)
         inputs = evalcache.key_inputs(
             model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_dtype), max_model_len=cfg.services.max_model_len,
-            env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self.heldout],
+            env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self._baseline_tasks()],
             decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [],
             files={"env_source": Path(env_source), **({"corpus": self.taskset.corpus} if self.taskset.corpus else {})},
             memo_dir=cache_dir)
@@ -415,12 +415,18 @@ class Supervisor:
                 self._log_eval({**summary, "time": time.time(), "cached": True})
             self._phase_done("baseline", result)
             return
-        summary, trajs = await self._evaluate(self.heldout, "base_tool_call")
+        tasks = self._baseline_tasks()
+        if len(tasks) < len(self.heldout):
+            self.say(f"Base Tool Call and the baselines on {len(tasks)} of the {len(self.heldout)} held-out tasks "
+                     "(eval.baseline_questions; the SFT and final evaluations use all of them)")
+        summary, trajs = await self._evaluate(tasks, "base_tool_call")
+        if len(tasks) < len(self.heldout):
+            summary["subset_of"] = len(self.heldout)
         self._log_eval(summary, trajs)
         _write_sample(self.out / "trajectories_base.jsonl", trajs[:8], self.conn.chat)
         result = {"base_tool_call": summary, "baselines": {}}
         if self.config.eval.baselines:
-            for name, (baseline, _) in (await evaluate_baselines(self.conn, self.heldout)).items():
+            for name, (baseline, _) in (await evaluate_baselines(self.conn, tasks)).items():
                 self._log_eval(baseline)
                 result["baselines"][name] = baseline
         failed = summary["num_failed"] + sum(b["num_failed"] for b in result["baselines"].values())
@@ -615,6 +621,9 @@ class Supervisor:
                                 "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
                                 "first_version": first_version, "last_version": last_version})
 
+    def _baseline_tasks(self) -> list:
+        return evenly_spaced(self.heldout, self.config.eval.baseline_questions)
+
     def _final_eval_reserve_s(self) -> float:
         return final_eval_reserve_s(self.evals, in_budget=self.config.eval.in_budget)
 
@@ -699,15 +708,25 @@ def eval_extends_deadline_s(summary: dict, *, in_budget: bool) -> float:
     return float(summary["eval_s"])
 
 
+def evenly_spaced(items: list, n: int) -> list:
+    """`n` of `items` at evenly spaced positions, in order (all of them when n is 0 or >= len)."""
+    if n <= 0 or n >= len(items):
+        return list(items)
+    return [items[i * len(items) // n] for i in range(n)]
+
+
 def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
     """Time the RL phase leaves before the deadline: stopping the RL processes (the learner
     checkpoints on SIGTERM: ~10 s) and the final evaluation, i.e. 1.25 x the latest evaluation that
     had the server to itself (after SFT, else the baseline; RL-phase evaluations share the server
     with the actor and run slower; Naive RAG generates one turn only), plus 30 s; 120 s stand in for
-    an evaluation when none ran yet. 0 when evaluations are outside the budget."""
+    an evaluation when none ran yet. A baseline on a subset of the held-out tasks (`subset_of`)
+    counts scaled to the whole set: an over-estimate (a small batch uses the server less well), so
+    the SFT cold start stops early rather than late. 0 when evaluations are outside the budget."""
     if not in_budget:
         return 0.0
-    durations = [e["eval_s"] for e in evals if e.get("label") in CLEAN_EVALUATIONS and "eval_s" in e]
+    durations = [e["eval_s"] * e.get("subset_of", e["n"]) / e["n"] for e in evals
+                 if e.get("label") in CLEAN_EVALUATIONS and "eval_s" in e]
     return 1.25 * (durations[-1] if durations else 120.0) + 30.0
 
 

@@ -96,6 +96,12 @@ def check_runnable(config: LearnerConfig, where: str = "learner config") -> None
                           "or set publish_every = 0")
 
 
+CARRIED_COUNTS = ("groups/dropped_equal_rewards", "groups/dropped_too_small", "samples/failed",
+                  "staleness/rejected_samples")
+"""Counters of a batch that trained nothing, summed into the next step's line (so that the lines'
+sums are the run's totals)."""
+
+
 class Learner:
     """Wires intake, the rank protocol (trainer), publisher, version publisher and metrics; drives them from `run`."""
 
@@ -112,6 +118,9 @@ class Learner:
         """Updates skipped for a non-finite gradient norm (trainer.py), since this process started."""
         self.pushed_step = -1
         """The step whose weights were last handed to the publisher (-1: none yet)."""
+        self._carried: dict[str, float] = {}
+        """Waiting time and dropped-group counts of batches that trained nothing (every group dropped,
+        e.g. equal rewards under dynamic sampling), added to the next step's metrics line."""
 
     def start_training(self) -> Intake:
         """Build the trainer and restore it; returns the intake (with the restored ledger) once a
@@ -158,8 +167,11 @@ class Learner:
         """Settle the groups in the ledger; for an applied update also publish the weights, announce
         the version, checkpoint when due and write the step's metrics."""
         if not self._settle(batch, stats):
+            self._carry({"time/wait_s": wait_s, **{k: batch.report.get(k, 0) for k in CARRIED_COUNTS}})
             return
-        record: dict[str, Any] = {"version": self.step, "time/wait_s": wait_s, **batch.report,
+        carried, self._carried = self._carried, {}
+        report = {**batch.report, **{k: batch.report.get(k, 0) + carried.get(k, 0) for k in CARRIED_COUNTS}}
+        record: dict[str, Any] = {"version": self.step, "time/wait_s": wait_s + carried.get("time/wait_s", 0.0), **report,
                                   **reward_metrics(groups, weights), **self._step_metrics(batch, stats, num_micro_batches)}
         record["steps/skipped_nonfinite_grad"] = self.num_skipped_steps
         record["groups/refused"] = self.intake.receiver.num_malformed + self.intake.num_replay_rejected
@@ -176,6 +188,10 @@ class Learner:
             self.checkpoint()
             record["time/checkpoint_s"] = time.perf_counter() - t1
         self.metrics.write(self.step, record)
+
+    def _carry(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self._carried[k] = self._carried.get(k, 0) + v
 
     def _settle(self, batch: Batch, stats: StepStats | None) -> bool:
         """Record the batch's groups as trained at the new version, or rejected; True when the update

@@ -366,6 +366,41 @@ async def test_the_learner_skips_a_nonfinite_update_records_it_and_goes_on(tmp_p
     assert line["group_ids"] == ["g2"] and line["rejected_group_ids"] == ["g0", "g1"]
 
 
+async def test_a_batch_that_trains_nothing_adds_its_wait_and_drops_to_the_next_steps_line(tmp_path):
+    """Dynamic sampling drops a group whose rewards are all equal; a batch of only such groups makes
+    no step and writes no line, so its waiting time and dropped count go into the next step's line:
+    the lines' sums are the run's totals (the report's "waiting for data" and the drop count)."""
+    from support.synthetic import tiny_llama
+
+    from agentrl.learner.advantages import AdvantageConfig
+    from agentrl.learner.config import LearnerConfig
+    from agentrl.learner.metrics import MetricsWriter, read_metrics
+    from agentrl.learner.service import Learner
+    from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
+
+    model_dir = tmp_path / "model"
+    tiny_llama(128, seed=0).save_pretrained(model_dir)
+    config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish_every=0,
+                           version_endpoint=None, group_endpoint=endpoint(), tensorboard=False, progress_bar=False,
+                           trainer=TrainerConfig(precision="fp32", optimizer=OptimizerConfig(lr=1e-3),
+                                                 advantage=AdvantageConfig(dynamic_sampling=True)))
+    learner = Learner(config)
+    learner.start_training()
+    learner.metrics, learner.publisher, learner.version_pub = MetricsWriter(learner.out, tensorboard=False,
+                                                                            progress_bar=False), None, None
+    await learner._train_step([make_group("same0", [1.0, 1.0], vocab_size=128, seed=0)], 5.0)
+    await learner._train_step([make_group("same1", [0.0, 0.0], vocab_size=128, seed=1)], 4.0)
+    assert learner.step == 0
+    await learner._train_step([make_group("g2", [1.0, 0.0], vocab_size=128, seed=2),
+                               make_group("same3", [1.0, 1.0], vocab_size=128, seed=3)], 2.0)
+    await learner._train_step([make_group("g4", [1.0, 0.0], vocab_size=128, seed=4)], 1.0)
+    learner.metrics.close()
+    first, second = read_metrics(learner.out / "metrics.jsonl")
+    assert first["step"] == 1 and first["time/wait_s"] == 11.0 and first["groups/dropped_equal_rewards"] == 3
+    assert first["group_ids"] == ["g2"] and first["rejected_group_ids"] == ["same0", "same1", "same3"]
+    assert second["time/wait_s"] == 1.0 and second["groups/dropped_equal_rewards"] == 0
+
+
 # ---- the learner process itself --------------------------------------------------------------------
 @pytest.mark.slow
 async def test_the_learner_process_refuses_poison_trains_the_rest_and_restarts_clean(tmp_path):

@@ -12,6 +12,7 @@ from agentrl.runconfig import TrainConfig
 from agentrl.train import (
     Supervisor,
     eval_extends_deadline_s,
+    evenly_spaced,
     final_eval_reserve_s,
     rl_eval_fits,
 )
@@ -31,6 +32,20 @@ def test_reserve_follows_the_latest_evaluation_that_had_the_server_to_itself():
     history = [*baseline_only, _summary("sft", 80.0), _summary("rl", 400.0), _summary("naive_rag", 5.0)]
     assert final_eval_reserve_s(history, in_budget=True) == pytest.approx(1.25 * 80.0 + 30.0)
     assert final_eval_reserve_s(history, in_budget=False) == 0.0
+
+
+def test_a_baseline_on_a_subset_counts_scaled_to_the_whole_held_out_set():
+    subset = [{**_summary("base_tool_call", 50.0), "subset_of": 16}, _summary("naive_rag", 5.0)]
+    assert final_eval_reserve_s(subset, in_budget=True) == pytest.approx(1.25 * 200.0 + 30.0)
+    history = [*subset, _summary("sft", 80.0)]
+    assert final_eval_reserve_s(history, in_budget=True) == pytest.approx(1.25 * 80.0 + 30.0)
+
+
+def test_baseline_tasks_are_evenly_spaced_through_the_held_out_set():
+    heldout = list(range(64))
+    assert evenly_spaced(heldout, 16) == list(range(0, 64, 4))
+    assert evenly_spaced(heldout, 0) == heldout and evenly_spaced(heldout, 100) == heldout
+    assert evenly_spaced(list(range(10)), 3) == [0, 3, 6]
 
 
 def test_only_before_and_after_evaluations_move_the_deadline_when_outside_the_budget():
