@@ -19,13 +19,16 @@ process starts.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from agentrl.common.config import (
     ConfigError,
+    FilePath,
     Origins,
+    absolute_paths,
     build,
     config_dataclass,
     describe,
@@ -40,7 +43,7 @@ from agentrl.engine.env import EnvConfig
 from agentrl.engine.environments import env_class, env_options
 from agentrl.engine.orchestrator import OrchestratorConfig
 from agentrl.engine.services import ServicesConfig, ToolSource, builtin_tools, check_tool_sources
-from agentrl.engine.tasksets import TasksConfig, loader_options
+from agentrl.engine.tasksets import TasksConfig, loader_options, resolve_loader
 from agentrl.learner.config import LearnerConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
@@ -57,7 +60,7 @@ class SFTConfig:
     enabled: bool = True
     """Run the cold start: on `demonstrations` when given, else on the environment's own
     demonstrations of training tasks; skipped, with a log line, when there are neither."""
-    demonstrations: str = ""
+    demonstrations: FilePath = ""
     """JSONL of demonstrations, one per line: {"task": {task}, "messages": [chat messages]}; the
     assistant messages (tool calls in the environment's format, or OpenAI `tool_calls`) are
     replayed through the environment and its real tools (engine/demonstrations.py)."""
@@ -111,7 +114,7 @@ class EvalConfig:
     an earlier run when everything that determines them is the same: the model folder's files, the
     served dtype, the vLLM and agentrl code, the environment's config and rendered prompt, the held-out
     tasks and the decoding (agentrl/evalcache.py). Never with an `[agent]`."""
-    cache_dir: str = ""
+    cache_dir: FilePath = ""
     """Where cached evaluations are kept; empty: $AGENTRL_CACHE_DIR, else ~/.cache/agentrl."""
     in_budget: bool = True
     """Count the held-out evaluations against `minutes`. False: `minutes` is SFT + RL time only
@@ -155,7 +158,7 @@ class TrainConfig:
     report and JSON line (`rl_steps` 0)."""
     seed: int = 0
     """Seed of the learners (the task set has its own in [tasks.options])."""
-    model_dir: str = ""
+    model_dir: FilePath = ""
     """HF folder of the initial policy; empty: the prepared SmolLM2-135M-Instruct."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
@@ -199,11 +202,12 @@ def load_run_config(config_file: str | Path | None = None, sets: list | tuple = 
     if base is not None:
         data = layer({}, read_toml(base), origins=origins, source=f"the embedded default ({base.name})")
     if config_file is not None:
-        override = read_toml(config_file)
+        override = with_absolute_paths(read_toml(config_file), Path(config_file).resolve().parent, data)
         data = _switching_layer(data, override, origins, str(config_file))
     for item in sets:
         text, label = item if isinstance(item, tuple) else (item, f"--set {item}")
         path, value = parse_override(text)
+        value = _get_path(with_absolute_paths(set_path({}, path, value), Path.cwd(), data), path)  # relative: to the working directory
         if path in _SWITCHES and value != data.get(path[0], {}).get(path[1], _SWITCHES[path]):
             data = _drop_options(data, origins, path[0])
         data = set_path(data, path, value)
@@ -214,6 +218,40 @@ def load_run_config(config_file: str | Path | None = None, sets: list | tuple = 
     config = build(TrainConfig, data, origins=origins, default_source=source)
     check_run(config, data, origins, source)
     return Resolved(config=config, data=data, origins=origins)
+
+
+def _get_path(data: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        data = data[key]
+    return data
+
+
+def with_absolute_paths(override: dict, base: Path, below: dict) -> dict:
+    """A config file's data with its relative paths taken from the file's folder `base`: path keys
+    and plug-in files (`absolute_paths`), the path options of the task loader and environment the
+    merged config names (`below`: the layers under this file), and, for a tool or agent command
+    without its own `cwd`, `cwd` = `base`. (`--set` values go through it with the working directory.)
+    A resolved config thus holds absolute paths, and a run's config.toml resumes from anywhere."""
+    out = absolute_paths(TrainConfig, override, base)
+    for entry in out.get("tools", []) if isinstance(out.get("tools"), list) else []:
+        if isinstance(entry, dict) and (entry.get("command") or entry.get("mcp")) and "cwd" not in entry:
+            entry["cwd"] = str(base)
+    agent = out.get("agent")
+    if isinstance(agent, dict) and agent.get("command") and "cwd" not in agent:
+        agent["cwd"] = str(base)
+    owners = {"tasks": resolve_loader, "env": lambda name: env_class(EnvConfig(env_class=name))}
+    for (section, key), default in _SWITCHES.items():
+        table = out.get(section)
+        if not isinstance(table, dict) or not isinstance(table.get("options"), dict):
+            continue
+        name = table.get(key, below.get(section, {}).get(key, default))
+        try:
+            options_type = getattr(owners[section](name), "Options", None)
+        except (ConfigError, ValueError):  # a plug-in that does not resolve: check_run names it
+            continue
+        if options_type is not None and dataclasses.is_dataclass(options_type):
+            out[section] = {**table, "options": absolute_paths(options_type, table["options"], base)}
+    return out
 
 
 # A layer that names another task loader or environment class replaces that plug-in's options

@@ -35,17 +35,20 @@ from __future__ import annotations
 
 import inspect
 
-from agentrl.common.config import ConfigError, config_dataclass
+from agentrl.common.config import ConfigError, FilePath, PluginRef, config_dataclass
 
 
 @config_dataclass
 class AgentConfig:
-    entry: str | None = None
+    entry: PluginRef | None = None
     """An async function `run(task, client) -> reward | None`, "package.module:run" or
     "path/file.py:run"; exclusive with `command`."""
     command: list[str] | None = None
     """An agent program run once per episode (argv; a first element "python" is this interpreter);
     exclusive with `entry`."""
+    cwd: FilePath | None = None
+    """The folder a `command` runs in. Not given: the folder of the config file that names the
+    command, else the working directory."""
     timeout_s: float = 600.0
     """Longest an episode may run, seconds; past it the agent is cancelled (a command's process
     group killed) and the episode is failed."""
@@ -90,7 +93,6 @@ def check_agent(config: AgentConfig) -> None:
     if config.entry is not None:
         agent_entry(config)
     if config.command is not None:
-        from agentrl.engine.services import find_program
+        from agentrl.engine.services import check_command
 
-        if find_program(config.command[0]) is None:
-            raise ConfigError(f"agent.command: no such program {config.command[0]!r}")
+        check_command(config.command, "agent.command", config.cwd)

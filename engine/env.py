@@ -68,7 +68,7 @@ import jsonschema
 import numpy as np
 from pydantic import Field
 
-from agentrl.common.config import config_dataclass
+from agentrl.common.config import PluginRef, config_dataclass
 from agentrl.common.trajectory import Trajectory, Turn, int32_array
 from agentrl.engine import rewards as R
 from agentrl.engine.chat import CLOSED, IM_END, ChatFormat, list_tools
@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 
 @config_dataclass
 class EnvConfig:
-    env_class: str = Field(default="multihop_qa", alias="class")
+    env_class: PluginRef = Field(default="multihop_qa", alias="class")
     """The environment: a built-in name (multihop_qa) or "package.module:Class" (a ToolEnv subclass)."""
     options: dict[str, Any] = field(default_factory=dict)
     """The environment's own options ([env.options]), checked against its `Options` dataclass."""

@@ -36,6 +36,8 @@ def resolve(path: str, key: str, builtins: Mapping[str, Any] | None = None) -> A
         raise ConfigError(f"{key}: {path!r} is {known} a 'package.module:name' path")
     try:
         module = _import_file(module_name, key) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except ConfigError:
+        raise
     except ImportError as err:
         hint = ""
         if not module_name.endswith(".py") and Path(module_name.replace(".", "/") + ".py").is_file():

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.common.config import ConfigError, config_dataclass
+from agentrl.common.config import ConfigError, FilePath, PluginRef, config_dataclass
 from agentrl.engine.env import EnvConfig
 
 BUILTIN_TOOLS = ("search", "python", "calculator")
@@ -87,11 +87,11 @@ class ToolSource:
     must print `READY <endpoint>` (agentrl.toolservers.functions.serve does) and stop on SIGTERM."""
     endpoints: list[str] | None = None
     """A running service elsewhere: its replicas' endpoints (tcp://HOST:PORT)."""
-    curve_server_key: str | None = None
+    curve_server_key: FilePath | None = None
     """With `endpoints` off loopback: the server's zmq.auth public key file (NAME.key)."""
-    curve_client_key: str | None = None
+    curve_client_key: FilePath | None = None
     """With `endpoints` off loopback: this client's zmq.auth secret key file (NAME.key_secret)."""
-    function: str | None = None
+    function: PluginRef | None = None
     """An in-process Python function, "package.module:function"."""
     name: str | None = None
     """The function tool's name (default: the function's)."""
@@ -107,6 +107,9 @@ class ToolSource:
     """Instances of a builtin or command service to start."""
     args: list[str] = field(default_factory=list)
     """Extra arguments of a builtin service (e.g. ["--workers", "2"])."""
+    cwd: FilePath | None = None
+    """The folder a `command` or `mcp` server runs in. Not given: the folder of the config file that
+    names the command (its relative file arguments are taken from there), else the working directory."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("builtin", "command", "endpoints", "function", "mcp", "mcp_url") if getattr(self, k) is not None]
@@ -174,7 +177,8 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             if source.command is not None:
                 endpoints = []
                 for r in range(source.replicas):
-                    proc = await asyncio.to_thread(_start_command, source.command, logs / f"tool-command{i}-{r}.log", f"tools[{i}]")
+                    proc = await asyncio.to_thread(_start_command, source.command, logs / f"tool-command{i}-{r}.log",
+                                                   f"tools[{i}]", source.cwd)
                     services.procs.append(proc)
                     endpoints.append(proc.endpoint)
                     say(f"tool service tools[{i}] #{r}: {proc.endpoint} (pid {proc.pid})")
@@ -225,16 +229,14 @@ class ToolCommandError(ConfigError):
     """A user tool service that could not start (it exited, or printed no READY line)."""
 
 
-def _start_command(command: list[str], log_path: Path, key: str):
+def _start_command(command: list[str], log_path: Path, key: str, cwd: str | None = None):
     from agentrl.common.procs import ChildStartError
     from agentrl.engine.serve import free_port
     from agentrl.toolservers.process import ToolServerProcess
 
-    program = find_program(command[0])
-    if program is None:
-        raise ToolCommandError(f"{key}.command: no such program {command[0]!r}")
-    argv = [program, *(part.replace("{bind}", f"tcp://127.0.0.1:{free_port()}") for part in command[1:])]
-    proc = ToolServerProcess(key, argv, log_path=str(log_path)).start()
+    check_command(command, f"{key}.command", cwd, ToolCommandError)
+    argv = [find_program(command[0], cwd), *(part.replace("{bind}", f"tcp://127.0.0.1:{free_port()}") for part in command[1:])]
+    proc = ToolServerProcess(key, argv, log_path=str(log_path), cwd=cwd).start()
     try:
         proc.endpoint = proc.wait_for_line("READY ", 120.0).split(" ", 1)[1]
     except ChildStartError as err:
@@ -269,17 +271,17 @@ def function_tool(source: ToolSource, key: str):
         raise ConfigError(f"{key}.function: no usable schema: {err}") from None
 
 
-def find_program(name: str) -> str | None:
-    """A command's program: on PATH, or beside this interpreter (a console script of this
-    environment, such as `mcp-server-time`, when the environment's bin folder is not on PATH);
-    "python" is this interpreter."""
+def find_program(name: str, cwd: str | None = None) -> str | None:
+    """A command's program: a file (relative to `cwd`, the folder the command runs in), on PATH,
+    or beside this interpreter (a console script of this environment, such as `mcp-server-time`,
+    when the environment's bin folder is not on PATH); "python" is this interpreter."""
     import shutil
     import sys
 
     if name in ("python", "python3"):
         return sys.executable
-    if Path(name).is_file():
-        return name
+    if (Path(cwd or ".") / name).is_file():
+        return str(Path(cwd or ".") / name)
     found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     return found
 
@@ -291,8 +293,20 @@ def check_tool_sources(tools: list[ToolSource]) -> None:
         if source.function is not None:
             function_tool(source, f"tools[{i}]")
         for key, argv in (("command", source.command), ("mcp", source.mcp)):
-            if argv and find_program(argv[0]) is None:
-                raise ConfigError(f"tools[{i}].{key}: no such program {argv[0]!r}")
+            if argv:
+                check_command(argv, f"tools[{i}].{key}", source.cwd)
+
+
+def check_command(argv: list[str], key: str, cwd: str | None, error: type[ConfigError] = ConfigError) -> None:
+    """The program exists, and so does each argument that names a script (*.py, *.sh), taken from
+    `cwd` (the config file's folder, unless the entry sets `cwd`) when relative."""
+    where = f" in {cwd}" if cwd else f" (relative paths given with --set are taken from the working directory {Path.cwd()})"
+    if find_program(argv[0], cwd) is None:
+        raise error(f"{key}: no such program {argv[0]!r}" + (where if "/" in argv[0] else ""))
+    for arg in argv[1:]:
+        if arg.endswith((".py", ".sh")) and not (Path(cwd or ".") / arg).is_file():
+            raise error(f"{key}: no such file {arg!r}{where}; fix the path (relative paths in a config file are "
+                        "taken from the file's folder)")
 
 
 class Connections:
@@ -341,7 +355,8 @@ class Connections:
         from agentrl.engine.mcp import McpServer, McpServerConfig, McpStartError
 
         if source.mcp is not None:
-            config = McpServerConfig(command=find_program(source.mcp[0]) or source.mcp[0], args=tuple(source.mcp[1:]), name=key)
+            config = McpServerConfig(command=find_program(source.mcp[0], source.cwd) or source.mcp[0], args=tuple(source.mcp[1:]),
+                                     name=key, cwd=source.cwd)
         else:
             config = McpServerConfig(url=source.mcp_url, name=key)
         try:

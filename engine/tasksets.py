@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.common.config import ConfigError, Origins, config_dataclass
+from agentrl.common.config import ConfigError, FilePath, Origins, PluginRef, config_dataclass
 from agentrl.common.files import iter_jsonl
 from agentrl.engine.plugins import build_options, resolve
 from agentrl.engine.task import Task, TaskError, check_unique_ids
@@ -91,11 +91,11 @@ def cycled(tasks: list[Task], what: str) -> Callable[[Callable[[], int]], Iterat
 
 @config_dataclass
 class JsonlOptions:
-    train: str = ""
+    train: FilePath = ""
     """JSONL of training tasks (cycled); empty: evaluation only."""
-    heldout: str = ""
+    heldout: FilePath = ""
     """JSONL of held-out tasks."""
-    corpus: str = ""
+    corpus: FilePath = ""
     """Passage JSONL for the built-in search service, if the tasks use it."""
     heldout_limit: int | None = None
     """Evaluate only the first N held-out tasks."""
@@ -130,7 +130,7 @@ load_jsonl.Options = JsonlOptions
 
 @config_dataclass
 class HFDatasetsOptions:
-    path: str
+    path: FilePath
     """A folder written by `datasets.DatasetDict.save_to_disk` (or `Dataset.save_to_disk` for one split)."""
     train_split: str = "train"
     """The split trained on ("" for none)."""
@@ -197,7 +197,7 @@ LOADERS: dict[str, Callable[..., TaskSet] | str] = {
 
 @config_dataclass
 class TasksConfig:
-    loader: str = "synthetic"
+    loader: PluginRef = "synthetic"
     """A built-in loader (synthetic, datasets, jsonl, hf_datasets) or "package.module:function"."""
     options: dict[str, Any] = field(default_factory=dict)
     """The loader's options ([tasks.options]), checked against its `Options` dataclass."""

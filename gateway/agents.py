@@ -129,7 +129,7 @@ class AgentEpisodes:
             raise ValueError("AgentEpisodes needs an agent: set agent.entry or agent.command")
         self.config, self.env, self.gateway, self.tools = config, env, gateway, tools
         self._entry = agent_entry(config) if config.entry is not None else None
-        self._program = find_program(config.command[0]) if config.command is not None else None
+        self._program = find_program(config.command[0], config.cwd) if config.command is not None else None
 
     async def __call__(self, task: Task, group_id: str, sample_index: int) -> list[Trajectory]:
         session_id = f"{sample_index}-{uuid.uuid4().hex}"
@@ -191,7 +191,8 @@ class AgentEpisodes:
         argv = [self._program, *self.config.command[1:]]
         env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": API_KEY, "AGENTRL_SESSION": session_id}
         proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+                                                    stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,
+                                                    cwd=self.config.cwd)
         try:
             stdout, stderr = await proc.communicate(json.dumps(task_json).encode())
         except BaseException:  # timed out or cancelled: the agent and whatever it started go, by its group id

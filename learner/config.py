@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Literal
 
-from agentrl.common.config import config_dataclass
+from agentrl.common.config import FilePath, config_dataclass
 from agentrl.common.curve import ServerKeys, load_server_keys, require_curve_off_loopback
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES
 from agentrl.learner.rewards import RewardSchedule
@@ -18,7 +18,7 @@ class LearnerConfig:
     output_dir: str = ""
     """Folder for metrics.jsonl, tensorboard/, checkpoints/, spool/ and rejected/ (created); required to run a
     learner (`agentrl train` sets it per phase)."""
-    model_dir: str | None = None
+    model_dir: FilePath | None = None
     """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.common.model)."""
     mode: Literal["rl", "sft"] = "rl"
     """"rl": the policy-gradient loss; "sft": masked NLL on the action tokens of (gold) trajectories."""
@@ -47,11 +47,11 @@ class LearnerConfig:
     version_endpoint: str | None = "tcp://127.0.0.1:5556"
     """ZeroMQ endpoint the learner binds to publish its version (None = do not publish); the same
     rule as group_endpoint."""
-    curve_secret_key_file: str | None = None
+    curve_secret_key_file: FilePath | None = None
     """zmq.auth secret certificate (`NAME.key_secret`) of the learner: with it both sockets are
     CurveZMQ servers (encrypted, only authorized clients admitted); required off loopback, optional
     on it. Its public half (`NAME.key`) is the actor's curve_server_key."""
-    curve_authorized_clients_dir: str | None = None
+    curve_authorized_clients_dir: FilePath | None = None
     """Directory of the zmq.auth public certificates (`*.key`) of the clients allowed to connect
     (the actor, a supervisor streaming SFT groups); given with curve_secret_key_file. Read when the
     learner starts."""
@@ -67,7 +67,7 @@ class LearnerConfig:
     """vLLM server base URLs to push weights to."""
     reward_schedule: RewardSchedule = field(default_factory=RewardSchedule)
     """Process/task reward weights by optimizer step."""
-    init_checkpoint: str | None = None
+    init_checkpoint: FilePath | None = None
     """A checkpoints folder (another learner's `output_dir/checkpoints`) whose latest policy weights
     and version this learner starts from when its own output_dir holds no checkpoint yet: the RL
     phase starting from the SFT cold start. Optimizer, scheduler and ledger start fresh."""
@@ -78,7 +78,7 @@ class LearnerConfig:
     """Weight of the demonstration anchor in each RL step: the mean NLL of gold demonstrations'
     action tokens (at trainer.temperature), added to the policy-gradient loss (learner/anchor.py);
     0 = none. Needs anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
-    anchor_dir: str | None = None
+    anchor_dir: FilePath | None = None
     """A spool folder of demonstration groups for the anchor (learner/anchor.py)."""
     anchor_tokens_per_step: int = 1024
     """Tokens of demonstrations (whole trajectories, at least one) the anchor adds to each RL step."""

@@ -23,7 +23,7 @@ from agentrl.envs.multihop_qa.metrics import exact_match
 from agentrl.runconfig import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_AGENT = "examples/openai_agent/agent.py"
+EXAMPLE_AGENT = str(ROOT / "examples/openai_agent/agent.py")
 FLAKY = "tests/fixtures/agents/flaky.py"
 GROUP_SIZE = 3
 
@@ -234,7 +234,7 @@ def test_train_exits_2_before_anything_starts(tmp_path):
 def test_the_example_agent_imports_only_the_openai_client():
     import ast
 
-    tree = ast.parse((ROOT / EXAMPLE_AGENT).read_text())
+    tree = ast.parse(Path(EXAMPLE_AGENT).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert imported == {"__future__", "asyncio", "json", "sys", "openai"}
@@ -307,7 +307,7 @@ async def test_an_agent_that_breaks_its_contract_fails_its_episode(tokenizer, qa
     ("three_params", "it takes (task, client, extra)"),
 ])
 def test_entry_shape_is_checked(tmp_path, entry, expected):
-    assert expected in config_error(tmp_path, f'[agent]\nentry = "tests/fixtures/agents/simple.py:{entry}"\n')
+    assert expected in config_error(tmp_path, f'[agent]\nentry = "{ROOT}/tests/fixtures/agents/simple.py:{entry}"\n')
 
 
 async def test_the_tool_endpoint_refuses_unknown_tools_and_bad_bodies(tokenizer, qa_world):

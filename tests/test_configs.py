@@ -100,7 +100,8 @@ def test_switching_the_env_class_brings_its_own_options(tmp_path):
     environment, whose `[env.options]` is checked against its own dataclass."""
     assert load_run_config(None).config.env.options  # the default sets some: the test means something
     path = tmp_path / "arith.toml"
-    path.write_text('[env]\nclass = "examples/arithmetic/arithmetic.py:ArithmeticEnv"\n')
+    (tmp_path / "arithmetic.py").write_text(Path("examples/arithmetic/arithmetic.py").read_text())
+    path.write_text('[env]\nclass = "arithmetic.py:ArithmeticEnv"\n')  # the file's folder, not the working directory
     assert load_run_config(path).config.env.options == {}
     sets = ["env.class=examples/arithmetic/arithmetic.py:ArithmeticEnv"]
     assert load_run_config(None, sets).config.env.options == {}
@@ -261,3 +262,29 @@ def test_a_plugin_path_that_fails_says_how_to_fix_it(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"relative paths are taken from"):
         resolve("nope.py:MyEnv", "env.class")
     assert resolve("my_env.py:MyEnv", "env.class").__name__ == "MyEnv"
+
+
+def test_relative_paths_in_a_config_file_are_taken_from_its_folder_and_set_values_from_the_working_directory(tmp_path, monkeypatch):
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    (env_dir / "arithmetic.py").write_text(Path("examples/arithmetic/arithmetic.py").read_text())
+    (env_dir / "tools.py").write_text("")
+    (env_dir / "heldout.jsonl").write_text('{"id": "a", "prompt": "1+1", "reference": "2"}\n')
+    (env_dir / "config.toml").write_text(
+        '[env]\nclass = "arithmetic.py:ArithmeticEnv"\n[tasks]\nloader = "jsonl"\n[tasks.options]\nheldout = "heldout.jsonl"\n'
+        '[services]\ntools = []\n[[tools]]\ncommand = ["python", "tools.py", "--bind", "{bind}"]\n'
+        '[sft]\nenabled = false\n[learner]\nanchor_coef = 0.0\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_run_config(Path("..") / "env" / "config.toml").config
+    assert config.env.env_class == f"{env_dir}/arithmetic.py:ArithmeticEnv"
+    assert config.tasks.options["heldout"] == str(env_dir / "heldout.jsonl")
+    assert config.tools[0].cwd == str(env_dir) and config.tools[0].command[1] == "tools.py"
+    # --set values are the command line's: relative to the working directory.
+    config = load_run_config(Path("..") / "env" / "config.toml", ["tasks.options.heldout=mine.jsonl"]).config
+    assert config.tasks.options["heldout"] == str(elsewhere / "mine.jsonl")
+    # A missing file named relative to the config's folder is reported with that folder.
+    (env_dir / "tools.py").unlink()
+    with pytest.raises(ConfigError, match=r"tools\[0\]\.command: no such file 'tools.py' in " + str(env_dir)):
+        load_run_config(Path("..") / "env" / "config.toml")

@@ -47,7 +47,10 @@ def test_the_documented_config_resolves_and_its_plugins_work(doc_folder, tokeniz
     from agentrl.runconfig import load_run_config
 
     config = load_run_config("my_config.toml").config
-    assert config.env.env_class == "my_env.py:WordCountEnv" and config.tasks.loader == "jsonl"
+    # Relative paths in a config file are taken from the file's folder.
+    assert config.env.env_class == f"{doc_folder.resolve()}/my_env.py:WordCountEnv" and config.tasks.loader == "jsonl"
+    assert config.tasks.options["heldout"] == str(doc_folder.resolve() / "heldout.jsonl")
+    assert config.tools[0].cwd == str(doc_folder.resolve())
     taskset = load_taskset(config.tasks, doc_folder / "run")
     assert len(taskset.heldout) == 40 and taskset.heldout[0].task_id == "heldout-0"
 

@@ -27,8 +27,8 @@ class ToolServerStartError(ChildStartError):
 
 class ToolServerProcess(ChildProcess):
     def __init__(self, name: str, argv: list[str], *, log_path: str, env: dict[str, str] | None = None,
-                 remove_log_on_clean_exit: bool = False):
-        super().__init__(f"toolserver {name}", argv, log_path=log_path, env=env, pipe_stdout=True)
+                 remove_log_on_clean_exit: bool = False, cwd: str | None = None):
+        super().__init__(f"toolserver {name}", argv, log_path=log_path, env=env, pipe_stdout=True, cwd=cwd)
         self.service = name
         self.endpoint = ""
         """Filled from the READY line."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import tomllib
 import types
@@ -254,6 +255,63 @@ def _field_name(tp: Any, key: str) -> str:
         if _alias(tp, f.name) == key:
             return f.name
     return key
+
+
+# ---------------------------------------------------------------- relative paths
+
+PATH = "agentrl:path"
+"""`Annotated` metadata of a field holding a file or folder path (`FilePath`)."""
+PLUGIN = "agentrl:plugin"
+"""`Annotated` metadata of a field naming a plug-in, "package.module:name" or "path/file.py:name" (`PluginRef`)."""
+FilePath = typing.Annotated[str, PATH]
+PluginRef = typing.Annotated[str, PLUGIN]
+
+
+def absolute_paths(cls: type, data: dict, base: Path) -> dict:
+    """`data`, a config table of type `cls` read from a file in folder `base`, with each relative
+    path made absolute against `base`: the values of `FilePath` fields (and lists of them), and the
+    file part of `PluginRef` fields written as "path/file.py:name". Nested tables and arrays of
+    tables are followed; plug-in option tables (plain dicts) are not (their owner knows their
+    type). Values of the wrong type are left for validation to report."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = dict(data)
+    for key, value in data.items():
+        name = _field_name(cls, key)
+        if name not in hints:
+            continue
+        hint = hints[name]
+        kind = _path_kind(hint)
+        if kind is not None:
+            out[key] = _absolute(value, kind, base)
+            continue
+        tp = _strip_optional(typing.get_type_hints(cls)[name])
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            out[key] = absolute_paths(tp, value, base)
+        elif (inner := _item_type(tp)) is not None and dataclasses.is_dataclass(inner) and isinstance(value, list):
+            out[key] = [absolute_paths(inner, v, base) if isinstance(v, dict) else v for v in value]
+    return out
+
+
+def _path_kind(hint: Any) -> str | None:
+    """PATH or PLUGIN when `hint` is such a field (optional, or a list of them), else None."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return next((m for m in hint.__metadata__ if m in (PATH, PLUGIN)), None)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType, list):
+        return next((k for a in typing.get_args(hint) if (k := _path_kind(a)) is not None), None)
+    return None
+
+
+def _absolute(value: Any, kind: str, base: Path) -> Any:
+    if isinstance(value, list):
+        return [_absolute(v, kind, base) for v in value]
+    if not isinstance(value, str) or not value:
+        return value
+    if kind == PATH:
+        return value if Path(value).is_absolute() else os.path.normpath(base / value)
+    module, sep, attr = value.partition(":")
+    if sep and module.endswith(".py") and not Path(module).is_absolute():
+        return f"{os.path.normpath(base / module)}:{attr}"
+    return value
 
 
 # ---------------------------------------------------------------- describing and writing

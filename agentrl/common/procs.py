@@ -36,8 +36,11 @@ class ChildStartError(RuntimeError):
 
 class ChildProcess:
     def __init__(self, name: str, argv: Sequence[str], *, log_path: str | Path, env: dict[str, str] | None = None,
-                 pipe_stdout: bool = False, term_group: bool = False, pass_fds: Sequence[int] = ()):
+                 pipe_stdout: bool = False, term_group: bool = False, pass_fds: Sequence[int] = (),
+                 cwd: str | Path | None = None):
         self.name = name
+        self.cwd = cwd
+        """The folder the child starts in (None: this process's working directory)."""
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.env = env
@@ -59,7 +62,7 @@ class ChildProcess:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if self.pipe_stdout else log,
-                stderr=log, env=env, start_new_session=True, pass_fds=self.pass_fds)
+                stderr=log, env=env, start_new_session=True, pass_fds=self.pass_fds, cwd=self.cwd)
         return self
 
     @property

@@ -9,7 +9,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Literal
 
-from agentrl.common.config import config_dataclass
+from agentrl.common.config import FilePath, config_dataclass
 from agentrl.engine.task import Task
 from agentrl.engine.tasksets import TaskSet, cycled
 from agentrl.envs.multihop_qa import tasks as T
@@ -93,7 +93,7 @@ load_synthetic.Options = SyntheticOptions
 class DatasetFile:
     format: Literal["hotpotqa", "2wikimultihopqa", "musique"]
     """The file's published format."""
-    path: str
+    path: FilePath
     """JSON or JSONL file."""
     limit: int | None = None
     """Use the first `limit` questions of the file."""
@@ -105,7 +105,7 @@ class DatasetsOptions:
     """Training questions (cycled)."""
     eval_files: list[DatasetFile] = field(default_factory=list)
     """Held-out questions."""
-    corpus: str = ""
+    corpus: FilePath = ""
     """Passage JSONL ({"id","title","text"}, or the "contents" layout of wiki dumps) for the search
     service; empty: the passages of the files' own contexts."""
 
