@@ -337,14 +337,21 @@ class ToolEnv:
         agent program's call through the gateway): an unknown tool or arguments that fail its schema
         are a failed result saying why; the call gets `tool_timeout_s`. `ToolUnavailable` propagates
         (infrastructure, not the agent's doing)."""
-        tool = self.tools.get(name)
-        if tool is None:
-            return ToolResult(None, False, 0.0, f"unknown tool {name!r}; available: {', '.join(sorted(self.tools))}")
+        problem = self.call_problem(name, arguments)
+        if problem is not None:
+            return ToolResult(None, False, 0.0, problem)
+        return await self._execute(self.tools[name], arguments)
+
+    def call_problem(self, name: str, arguments: Any) -> str | None:
+        """Why a call cannot run (an unknown tool, arguments that fail its schema: the error the
+        policy reads), or None."""
+        if name not in self.tools:
+            return f"unknown tool {name!r}; available: {', '.join(sorted(self.tools))}"
         schema_error = next(iter(self._validators[name].iter_errors(arguments)), None)
         if schema_error is not None:
             where = "/".join(map(str, schema_error.absolute_path)) or "arguments"
-            return ToolResult(None, False, 0.0, f"invalid arguments at {where}: {schema_error.message}")
-        return await self._execute(tool, arguments)
+            return f"invalid arguments at {where}: {schema_error.message}"
+        return None
 
     @property
     def system_prompt(self) -> str:
@@ -434,16 +441,10 @@ class ToolEnv:
                 responses[i] = self._error_response(call.name, f"call limit reached ({limit}); the call was not run")
                 continue
             state.num_calls += 1
-            tool = self.tools.get(call.name)
-            if tool is None:
+            problem = self.call_problem(call.name, call.arguments)
+            if problem is not None:
                 self._add(terms, R.MALFORMED_CALL)
-                responses[i] = self._error_response(call.name, f"unknown tool {call.name!r}; available: {', '.join(sorted(self.tools))}")
-                continue
-            schema_error = next(iter(self._validators[call.name].iter_errors(call.arguments)), None)
-            if schema_error is not None:
-                self._add(terms, R.MALFORMED_CALL)
-                where = "/".join(map(str, schema_error.absolute_path)) or "arguments"
-                responses[i] = self._error_response(call.name, f"invalid arguments at {where}: {schema_error.message}")
+                responses[i] = self._error_response(call.name, problem)
                 continue
             self._add(terms, R.VALID_CALL)
             key = call.name + "\x00" + json.dumps(call.arguments, sort_keys=True)

@@ -165,9 +165,10 @@ def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: 
 
 
 async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
-                         model_dir: str, corpus: Path | None, logs: Path, say=print) -> Services:
-    """Start the tool services and the vLLM server the config does not point at. On failure every
-    process started so far is stopped before the error propagates."""
+                         model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True) -> Services:
+    """Start the tool services and (unless `start_vllm` is False: `agentrl check`) the vLLM server
+    the config does not point at. On failure every process started so far is stopped before the
+    error propagates."""
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -203,7 +204,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                 endpoints.append(proc.endpoint)
                 say(f"tool service {name} #{r}: {proc.endpoint} (pid {proc.pid})")
             services.remote.append(RemoteService(name, endpoints))
-        if not services.vllm_urls:
+        if not services.vllm_urls and start_vllm:
             server = VLLMServer(
                 VLLMServerConfig(model_dir=model_dir, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
                                  gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_gib=config.kv_cache_gib),
@@ -331,7 +332,8 @@ class Connections:
 
         await self._stack.__aenter__()
         try:
-            self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls))
+            # No server: the tools and the environment only (`agentrl check`).
+            self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls)) if self.vllm_urls else None
             self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
             self.env = make_env(self.chat, self.env_config)
             self.tools = []

@@ -28,8 +28,8 @@ def test_example_plays_its_demonstrations_through_its_real_tools(name, tmp_path,
     from agentrl.engine.tasksets import load_taskset
     from agentrl.runconfig import load_run_config
 
-    monkeypatch.chdir(ROOT)  # the configs name their plug-ins relative to the repository, as the README runs them
-    config = load_run_config(f"examples/{name}/config.toml").config
+    monkeypatch.chdir(tmp_path)  # the configs name their files relative to their own folders
+    config = load_run_config(ROOT / "examples" / name / "config.toml").config
     assert config.minutes <= 20  # the budget: +0.15 within 20 minutes after set-up
     taskset = load_taskset(config.tasks, tmp_path / "run")
     assert len(taskset.heldout) >= 50
