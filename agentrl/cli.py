@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("agentrl.evaluate:rollout_main", "run episodes and write their trajectories"),
     "learner": ("agentrl.learner.cli:main", "run the learner process"),
     "actor": ("agentrl.actor:main", "run the actor process (the orchestrator of a training run)"),
+    "init-env": ("agentrl.init_env:main", "write a working environment folder to start from (tools, env, tasks, config)"),
     "check": ("agentrl.check:main", "check a training config in seconds: tasks, tools started and described, demonstrations"),
     "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
     "export": ("agentrl.export:main", "write a run's policy as a Hugging Face model folder"),

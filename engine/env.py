@@ -554,7 +554,8 @@ class ToolEnv:
 
 def format_content(content) -> str:
     """Tool content as the model reads it: passages as numbered "title: text" lines, other
-    structures as compact JSON, strings as they are."""
+    structures as one line of JSON with `json.dumps`' spacing (`{"a": 1, "b": [2, 3]}`), non-ASCII
+    kept, strings as they are."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(c, dict) and "text" in c for c in content):

@@ -30,7 +30,7 @@ def _blocks() -> dict[str, str]:
 @pytest.fixture()
 def doc_folder(tmp_path, monkeypatch):
     blocks = _blocks()
-    assert set(blocks) == {"my_tools.py", "my_env.py", "make_tasks.py", "my_config.toml"}
+    assert set(blocks) == {"my_tools.py", "my_env.py", "make_tasks.py", "my_config.toml", "my_config_with_calculator.toml"}
     for name, body in blocks.items():
         (tmp_path / name).write_text(body)
     monkeypatch.chdir(tmp_path)
@@ -82,3 +82,25 @@ def test_the_documented_function_also_runs_in_process(doc_folder):
     tool = function_tool(ToolSource(function="my_tools.py:word_count"), "tools[0]")
     assert tool.parameters["required"] == ["text"] and tool.description == "Count the words of a text."
     assert asyncio.run(tool.execute({"text": "one two three"})).content == {"words": 3}
+
+
+def test_the_documented_combination_hosts_the_calculator_beside_the_own_service(doc_folder, tokenizer):
+    from agentrl.engine.environments import env_class
+    from agentrl.engine.services import Connections, start_services
+    from agentrl.runconfig import load_run_config
+
+    config = load_run_config("my_config_with_calculator.toml").config
+    no_server = dataclasses.replace(config.services, vllm=["http://127.0.0.1:9"])
+
+    async def run():
+        services = await start_services(no_server, tools=config.tools, env_required=env_class(config.env).required_tools,
+                                        model_dir="", corpus=None, logs=doc_folder / "logs")
+        try:
+            async with Connections(services.vllm_urls, services.remote, str(tokenizer.name_or_path), config.env) as conn:
+                return set(conn.env.tools), services.procs
+        finally:
+            services.stop()
+
+    tools, procs = asyncio.run(run())
+    assert tools == {"word_count", "calculator"} and len(procs) == 2
+    assert all(p.poll() is not None for p in procs)

@@ -61,3 +61,22 @@ def test_example_plays_its_demonstrations_through_its_real_tools(name, tmp_path,
     assert all(p.poll() is not None for p in procs), "a tool service outlived the run"
     assert all(isinstance(pid, int) and read_proc(pid) is None for pid in mcp_pids), "an MCP server outlived the run"
     assert len(procs) + len(mcp_pids) >= 1  # the tools were hosted by processes the run started
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_worked_examples_show_tool_results_as_the_engine_renders_them(name, tokenizer):
+    """A worked example in the prompt teaches the format the policy will read: each tool message of
+    an example holds what `format_content` makes of that JSON."""
+    import json
+
+    from agentrl.engine.chat import ChatFormat
+    from agentrl.engine.env import format_content
+    from agentrl.engine.environments import make_env
+    from agentrl.runconfig import load_run_config
+
+    config = load_run_config(ROOT / "examples" / name / "config.toml").config
+    env = make_env(ChatFormat(tokenizer), config.env)
+    tool_messages = [content for role, content in env.example_messages() if role == "tool"]
+    for content in tool_messages:
+        body = content.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
+        assert body == format_content(json.loads(body)), body

@@ -41,7 +41,7 @@ def _modules() -> dict[str, Path]:
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             name = ".".join([package, *parts]) if parts else package
-            if package == "agentrl" and parts and parts[0] == "configs":
+            if package == "agentrl" and parts and parts[0] in ("configs", "templates"):  # data, not modules
                 continue
             out[name] = path
     return out

@@ -50,7 +50,7 @@ INTRO = ('You solve arithmetic word problems. Use the calculator for every compu
 EXAMPLE_MESSAGES = (
     ("user", "A gardener plants 146 rows of 23 tulips and gives away 318 tulips. How many tulips does she keep?"),
     ("assistant", '<tool_call>{"name": "calculator", "arguments": {"expression": "146 * 23 - 318"}}</tool_call>'),
-    ("tool", '<tool_response>\n{"value":"3040","decimal":"3040"}\n</tool_response>'),
+    ("tool", '<tool_response>\n{"value": "3040", "decimal": "3040"}\n</tool_response>'),
     ("assistant", "<answer>3040</answer>"),
 )
 

@@ -175,9 +175,9 @@ EXAMPLE_MESSAGES = (
     ("user", "I fly from Brimholm to Toulara on day 1. What is the cheapest flight, and what weather will I find there? "
              "Answer as JSON with keys flight and condition."),
     ("assistant", '<tool_call>{"name": "find_flights", "arguments": {"origin": "Brimholm", "destination": "Toulara"}}</tool_call>'),
-    ("tool", '<tool_response>\n{"flights":[{"flight":"BT204","departs":"07:30","price":310},{"flight":"BT977","departs":"18:15","price":95}]}\n</tool_response>'),
+    ("tool", '<tool_response>\n{"flights": [{"flight": "BT204", "departs": "07:30", "price": 310}, {"flight": "BT977", "departs": "18:15", "price": 95}]}\n</tool_response>'),
     ("assistant", '<tool_call>{"name": "get_weather", "arguments": {"city": "Toulara", "day": 1}}</tool_call>'),
-    ("tool", '<tool_response>\n{"city":"Toulara","day":1,"condition":"rain","high_c":12}\n</tool_response>'),
+    ("tool", '<tool_response>\n{"city": "Toulara", "day": 1, "condition": "rain", "high_c": 12}\n</tool_response>'),
     ("assistant", '<answer>{"flight": "BT977", "condition": "rain"}</answer>'),
 )
 
