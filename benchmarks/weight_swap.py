@@ -1,13 +1,19 @@
-"""Hot-swap latency with requests in flight, on the real vLLM server and the prepared SmolLM2-135M.
+"""Hot-swap latency with requests in flight, on the real vLLM server and the prepared SmolLM2-135M,
+for both weight transports side by side.
 
 Starts its own server (bf16, as training serves), keeps `num_inflight` sampling requests running,
-and pushes full weights `num_swaps` times (after one warm-up push), alternating two weight sets so
-every swap really changes the model. Reports the median and spread of:
+and pushes full weights `num_swaps` times per transport (after one warm-up push), alternating the
+transports push by push (shm, stream, shm, ...) and two weight sets so every swap really changes the
+model. Reports the median and spread, per transport (the `stream_` keys for stream), of:
 - pause_s: wall time generation was paused (pause keep + reload + version + resume);
+- push_s: the whole push as the learner waits for it (write, upload for stream, stage, pause, apply);
 - reload_s: the layer-wise reload alone;
 - stage_s: reading + validating the pushed file in the worker (generation continues meanwhile);
-- write_s: writing the state dict to /dev/shm (on the trainer's side, generation continues).
-Also checks that every in-flight request completed. Prints one JSON line last.
+- write_s: writing the state dict to /dev/shm (on the trainer's side, generation continues);
+- upload_s (stream): hashing and sending the bytes to the server's /agentrl/weights;
+and `stream_bytes_per_push`. The server runs on this host, so both transports work; stream is what
+a server on another host gets (agentrl/common/weights.py). Also checks that every in-flight request
+completed. Prints one JSON line last.
 
 Run: python benchmarks/weight_swap.py [--swaps 5] [--inflight 32]
 """
@@ -24,6 +30,8 @@ import subprocess
 import time
 
 import torch
+
+TRANSPORTS = ("shm", "stream")
 
 
 def machine_info() -> dict:
@@ -56,23 +64,31 @@ async def bench(server, num_swaps: int, num_inflight: int) -> dict:
 
         workers = [asyncio.create_task(load_loop(s)) for s in range(num_inflight)]
         await asyncio.sleep(3.0)
-        for i in range(num_swaps + 1):  # the first push is a warm-up (first read of the record)
-            weights = perturbed if i % 2 == 0 else original
-            r = await push_weights(server.base_url, weights, i + 1)
-            if i > 0:
-                results.append(r)
+        for i in range(2 * (num_swaps + 1)):  # the first push of each transport is a warm-up
+            transport = TRANSPORTS[i % 2]
+            weights = perturbed if (i // 2) % 2 == 0 else original
+            t0 = time.perf_counter()
+            r = await push_weights(server.base_url, weights, i + 1, transport=transport)
+            if i >= 2:
+                results.append((r, time.perf_counter() - t0))
             await asyncio.sleep(1.0)
         stop.set()
         await asyncio.gather(*workers)
         await push_weights(server.base_url, original, 0)
 
-    def stats(key: str) -> dict:
-        xs = [getattr(r, key) for r in results]
-        return {f"{key}_median": round(statistics.median(xs), 4), f"{key}_min": round(min(xs), 4), f"{key}_max": round(max(xs), 4)}
+    def stats(key: str, transport: str) -> dict:
+        xs = [push_s if key == "push_s" else getattr(r, key) for r, push_s in results if r.transport == transport]
+        prefix = "" if transport == "shm" else "stream_"
+        return {f"{prefix}{key}_median": round(statistics.median(xs), 4), f"{prefix}{key}_min": round(min(xs), 4),
+                f"{prefix}{key}_max": round(max(xs), 4)}
 
-    out = {"num_swaps": len(results), "num_inflight": num_inflight, "requests_completed": completed}
-    for key in ("pause_s", "reload_s", "stage_s", "write_s"):
-        out.update(stats(key))
+    out = {"num_swaps": len(results) // 2, "num_inflight": num_inflight, "requests_completed": completed}
+    for transport in TRANSPORTS:
+        for key in ("pause_s", "push_s", "reload_s", "stage_s", "write_s", *(("upload_s",) if transport == "stream" else ())):
+            out.update(stats(key, transport))
+    out["stream_bytes_per_push"] = statistics.median(r.bytes for r, _ in results if r.transport == "stream")
+    out["stream_pause_vs_shm"] = round(out["stream_pause_s_median"] / out["pause_s_median"], 3)
+    out["stream_push_vs_shm"] = round(out["stream_push_s_median"] / out["push_s_median"], 3)
     return out
 
 

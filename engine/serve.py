@@ -101,8 +101,12 @@ class VLLMServerConfig:
 
 
 class VLLMServer:
-    def __init__(self, config: VLLMServerConfig | None = None, *, log_path: str | Path | None = None):
+    def __init__(self, config: VLLMServerConfig | None = None, *, log_path: str | Path | None = None,
+                 launcher: list[str] | tuple[str, ...] = ()):
         self.config = config or VLLMServerConfig()
+        self.launcher = list(launcher)
+        """An argv prefix the server's command runs under (a container or namespace wrapper that
+        execs the rest), e.g. `unshare --mount ...`; its PID must become the server's."""
         if not is_loopback(self.config.host) and not os.environ.get(CONTROL_TOKEN_ENV):
             raise ValueError(f"host {self.config.host!r} is not loopback: it would expose the weight-control endpoints "
                              f"(/pause, /collective_rpc, ...); set {CONTROL_TOKEN_ENV} in this environment and in the "
@@ -151,7 +155,7 @@ class VLLMServer:
             # request with its own seed is cut by a partial (chunked) prefill, which a hot swap's
             # cache clear makes likely. Whole prefills avoid that path.
             cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(cfg.max_model_len)]
-        return cmd + list(cfg.extra_args)
+        return [*self.launcher, *cmd, *cfg.extra_args]
 
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, plus the dev endpoints and, on the CPU build in

@@ -37,6 +37,10 @@ class LearnerConfig:
     computed so far (far less work for a CPU server; the behavior log-probs still describe what
     sampled, but reused keys may be up to kv_refresh_every - 1 versions older than the version
     labels say). 1 = every push (exact). agentrl/common/weights.py, step 3."""
+    weight_transport: Literal["auto", "shm", "stream"] = "auto"
+    """How a push reaches each server: "shm" names a file in this host's /dev/shm (the server must
+    share the host), "stream" sends the bytes over HTTP, checksummed (any host); "auto": shm for a
+    loopback server URL, stream for any other (agentrl/common/weights.py, TRANSPORTS)."""
     checkpoint_every: int = 10
     """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
     keep_checkpoints: int = 2

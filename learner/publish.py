@@ -36,7 +36,7 @@ class PushReport:
     total_s: float
     """Background time from snapshot to the last server confirming."""
     write_s: float
-    per_server: dict[str, dict[str, float]]
+    per_server: dict[str, dict[str, float | str]]
     """base URL -> {pause_s, reload_s, stage_s}, for the servers that took the push."""
     failed: dict[str, str] = field(default_factory=dict)
     """base URL -> why the push to it failed (it is marked down)."""
@@ -92,11 +92,13 @@ class WeightPublisher:
     """
 
     def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, kv_refresh_every: int = 1,
-                 probe_timeout_s: float = 5.0, probe_interval_s: float = 5.0):
+                 probe_timeout_s: float = 5.0, probe_interval_s: float = 5.0, transport: str = "auto"):
         if kv_refresh_every < 1:
             raise ValueError(f"kv_refresh_every={kv_refresh_every} must be >= 1")
         self.server_urls = list(server_urls)
         self.push_timeout_s = push_timeout_s
+        self.transport = transport
+        """How each push reaches a server (agentrl.common.weights.TRANSPORTS)."""
         self.kv_refresh_every = kv_refresh_every
         """Every this many pushes, the servers' KV and prefix caches are dropped (running requests
         recompute under the new weights); the pushes in between keep them (agentrl.common.weights, step 3)."""
@@ -155,7 +157,8 @@ class WeightPublisher:
                                          for url in targets))
         report = PushReport(
             version=version, total_s=time.perf_counter() - t0, write_s=write_s,
-            per_server={url: {"pause_s": r.pause_s, "reload_s": r.reload_s, "stage_s": r.stage_s}
+            per_server={url: {"pause_s": r.pause_s, "reload_s": r.reload_s, "stage_s": r.stage_s, "transport": r.transport,
+                              "bytes": r.bytes, "upload_s": r.upload_s}
                         for url, r in zip(targets, results, strict=True) if r is not None},
             failed={url: self.down[url] for url in self.server_urls if url in self.down},
         )
@@ -181,7 +184,8 @@ class WeightPublisher:
         from agentrl.common.weights import WeightPushError, push_weights
 
         try:
-            result = await push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=recompute_kv)
+            result = await push_weights(url, path, version, timeout_s=self.push_timeout_s, recompute_kv=recompute_kv,
+                                        transport=self.transport)
         except (WeightPushError, TimeoutError) as err:
             self._mark_down(url, f"push of version {version} failed: {type(err).__name__}: {err}")
             return None

@@ -277,7 +277,8 @@ class Learner:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         intake = self.start_training()
-        self.publisher = WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.kv_refresh_every) if cfg.publish_every else None
+        self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.kv_refresh_every, transport=cfg.weight_transport)
+                          if cfg.publish_every else None)
         self.version_pub = VersionPublisher(cfg.version_endpoint, curve=cfg.curve_keys()) if cfg.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)

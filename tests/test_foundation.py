@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,7 +20,14 @@ from safetensors.torch import load_file, save_file
 
 from agentrl.common import model as model_mod
 from agentrl.common.inference import InferenceServerUnavailable, SamplingParams, VLLMClient
-from agentrl.common.weights import WeightPushError, push_weights, reset_kv_cache, write_weights
+from agentrl.common.weights import (
+    WeightPushError,
+    push_weights,
+    reset_kv_cache,
+    transport_for,
+    weights_root,
+    write_weights,
+)
 from agentrl.engine.serve import free_port
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -233,6 +241,64 @@ async def test_bad_pushes_are_refused_and_change_nothing(vllm_server, tokenizer,
         assert await client.weight_version() == version
 
 
+def _uploads() -> list[Path]:
+    """Every copy a server keeps of a streamed push (agentrl.common.weight_upload)."""
+    return sorted(Path(weights_root()).glob("agentrl-weights-*/upload-*"))
+
+
+async def test_a_stream_push_goes_over_http_and_the_server_keeps_no_copy(vllm_server, model_dir, tokenizer, tmp_path):
+    """The `stream` transport: the learner sends the bytes to /agentrl/weights (checksummed), the
+    server stages its own copy and deletes it; the served model is the pushed one, then the original."""
+    original = load_file(str(model_dir / "model.safetensors"))
+    update = perturbed({k: v for k, v in original.items() if k.startswith("model.layers.29.")})
+    ids = chat_ids(tokenizer)
+    async with VLLMClient(vllm_server.base_url) as client:
+        before = await greedy(client, ids)
+        version0 = await client.weight_version()
+        try:
+            result = await push_weights(vllm_server.base_url, update, version0 + 1, transport="stream")
+            assert result.transport == "stream" and result.upload_s > 0
+            data_bytes = sum(t.numel() * t.element_size() for t in update.values())  # plus the safetensors header
+            assert data_bytes < result.bytes < data_bytes + (64 << 10)
+            assert _uploads() == []
+            changed = await greedy(client, ids)
+        finally:
+            restored = await push_weights(vllm_server.base_url, {k: original[k] for k in update}, version0, transport="stream")
+        assert await greedy(client, ids) == before and changed != before
+        assert restored.transport == "stream" and _uploads() == []
+    # A loopback URL: "auto" hands the server a path on this host, any other URL streams.
+    assert transport_for(vllm_server.base_url, "auto") == "shm" and transport_for("http://10.1.2.3:8000", "auto") == "stream"
+    with pytest.raises(ValueError, match="expected one of auto, shm, stream"):
+        transport_for("http://10.1.2.3:8000", "nccl")
+
+
+@pytest.mark.parametrize("case", ["wrong_digest", "short_body", "too_large", "no_headers"])
+def test_a_streamed_body_that_does_not_match_is_refused_and_nothing_is_kept(vllm_server, model_dir, tokenizer, case):
+    import hashlib
+
+    body = (model_dir / "model.safetensors").read_bytes()[:1 << 20]
+    digest = hashlib.sha256(body).hexdigest()
+    headers = {"X-Agentrl-Size": str(len(body)), "X-Agentrl-Sha256": digest}
+    if case == "wrong_digest":
+        headers["X-Agentrl-Sha256"] = hashlib.sha256(b"other").hexdigest()
+    elif case == "short_body":
+        headers["X-Agentrl-Size"] = str(len(body) + 10)
+    elif case == "too_large":
+        headers["X-Agentrl-Size"] = str(1 << 62)
+    else:
+        headers = {}
+    expected = {"wrong_digest": (400, "SHA-256"), "short_body": (400, "shorter"), "too_large": (413, "bytes is over"),
+                "no_headers": (400, "X-Agentrl-Size")}[case]
+    request = urllib.request.Request(vllm_server.base_url + "/agentrl/weights", data=body, headers=headers, method="PUT")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    assert (status, expected[1] in text) == (expected[0], True), (status, text)
+    assert _uploads() == []
+
+
 def test_push_weights_cli_prints_one_json_line(vllm_server, model_dir):
     out = subprocess.run(
         [sys.executable, "-P", "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
@@ -317,6 +383,8 @@ def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):
         assert status == 403 and "X-Agentrl-Control-Token" in body, (status, body)
         assert _post_status(url + "/pause", {"X-Agentrl-Control-Token": "s3cret"})[0] == 200
         assert _post_status(url + "/resume", {"X-Agentrl-Control-Token": "s3cret"})[0] == 200
+        status, body = _post_status(url + "/agentrl/weights")  # a streamed push is a control request too
+        assert status == 403 and "X-Agentrl-Control-Token" in body, (status, body)
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as resp:
             assert resp.status == 200
         # The vLLM server runs in its own process group, a child of the CLI.

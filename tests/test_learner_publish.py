@@ -81,7 +81,7 @@ def test_a_writer_that_exits_normally_leaves_nothing(tmp_path):
 async def test_every_kth_push_recomputes_the_servers_kv(monkeypatch, tmp_path):
     calls: list[tuple[str, int, bool]] = []
 
-    async def fake_push(url, path, version, *, timeout_s, recompute_kv):
+    async def fake_push(url, path, version, *, timeout_s, recompute_kv, transport):
         calls.append((url, version, recompute_kv))
         return weights.PushResult(version, 0.0, 0.0, 0.0, 0.0)
 

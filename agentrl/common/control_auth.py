@@ -10,7 +10,9 @@ The rule: generation and read-only probes (`PUBLIC_PREFIXES`) are open as before
 needs either a loopback peer (127.0.0.0/8, ::1) when no token is set, or, when the server's
 environment holds `AGENTRL_CONTROL_TOKEN`, the header `X-Agentrl-Control-Token` with that value
 (from any peer, loopback included). `agentrl serve-model` refuses a non-loopback `--host` without a
-token; the learner's push (`common/weights.py`) sends the token from its own environment.
+token; the learner's push (`common/weights.py`) sends the token from its own environment. The
+middleware also serves `/agentrl/weights` (a push's bytes over the network, common/weight_upload.py)
+once the request has passed that rule.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import ipaddress
 import json
 import os
 
+UPLOAD_PATH = "/agentrl/weights"
+"""Where the `stream` transport uploads a push (agentrl.common.weight_upload)."""
 CONTROL_TOKEN_ENV = "AGENTRL_CONTROL_TOKEN"
 CONTROL_TOKEN_HEADER = "X-Agentrl-Control-Token"
 PUBLIC_PREFIXES = ("/v1/", "/inference/v1/", "/health", "/ping", "/version", "/metrics", "/tokenize",
@@ -67,4 +71,8 @@ async def control_auth(request, call_next):
                       request.headers.get(CONTROL_TOKEN_HEADER), os.environ.get(CONTROL_TOKEN_ENV))
     if not ok:
         return Response(json.dumps({"error": why}), status_code=403, media_type="application/json")
+    if request.url.path == UPLOAD_PATH:  # the one control endpoint vLLM lacks: a push's bytes (the `stream` transport)
+        from agentrl.common import weight_upload
+
+        return await weight_upload.handle(request)
     return await call_next(request)

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import aiohttp
 
-from agentrl.common.control_auth import control_headers
+from agentrl.common.control_auth import UPLOAD_PATH, control_headers
 
 SHM_DIR = "/dev/shm"
 
@@ -67,6 +67,33 @@ class PushResult:
     reload_s: float
     stage_s: float
     write_s: float
+    transport: str = "shm"
+    """How the weights reached the server: "shm" (a path on a shared host) or "stream" (over HTTP)."""
+    bytes: int = 0
+    """The push's size (the safetensors file)."""
+    upload_s: float = 0.0
+    """With "stream": hashing and sending the bytes, until the server had them all."""
+
+
+TRANSPORTS = ("auto", "shm", "stream")
+"""How a push reaches a server: "shm" hands it the path of a file in this host's /dev/shm (the
+server must share the host); "stream" sends the bytes over HTTP to the server's /agentrl/weights,
+checksummed, and the server stages its own copy (any host); "auto" is "shm" for a loopback URL,
+else "stream". A CUDA collective transport (vLLM's weight-transfer engines, e.g. NCCL) is the next
+one behind this choice; it does not exist yet."""
+
+
+def transport_for(base_url: str, transport: str) -> str:
+    """The transport a push to `base_url` uses under the setting `transport` (TRANSPORTS)."""
+    from urllib.parse import urlparse
+
+    from agentrl.common.control_auth import is_loopback
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"weight transport {transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if transport != "auto":
+        return transport
+    return "shm" if is_loopback(urlparse(base_url).hostname) else "stream"
 
 
 WEIGHTS_DIR_PREFIX = "agentrl-weights-"
@@ -112,7 +139,7 @@ def _remove_own_dir(path: Path, owner: int) -> None:
         shutil.rmtree(path)
 
 
-def _own_weights_dir() -> Path:
+def own_weights_dir() -> Path:
     path = weights_root() / f"{WEIGHTS_DIR_PREFIX}{os.getpid()}"
     if path not in _own_dirs:
         sweep_weights_dirs(path.parent)
@@ -129,7 +156,7 @@ def write_weights(state_dict: Mapping, directory: str | None = None) -> Path:
     file goes to `directory`, or by default to this process's own weights directory."""
     from safetensors.torch import save_file
 
-    directory = directory or str(_own_weights_dir())
+    directory = directory or str(own_weights_dir())
     fd, path = tempfile.mkstemp(prefix="v-", suffix=".safetensors", dir=directory)
     os.close(fd)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
@@ -144,6 +171,44 @@ async def _post(session: aiohttp.ClientSession, url: str, *, json_body=None, par
         if resp.status >= 400:
             raise WeightPushError(f"POST {url} -> HTTP {resp.status}: {text[:500]}")
         return json.loads(text) if text else {}
+
+
+async def upload_weights(session: aiohttp.ClientSession, base_url: str, path: Path, chunk_bytes: int = 4 << 20) -> str:
+    """Send the file at `path` to the server's /agentrl/weights (the `stream` transport); returns the
+    server-side path of its copy. The SHA-256 is computed first and checked by the server."""
+    import hashlib
+
+    from agentrl.common.weight_upload import SHA256_HEADER, SIZE_HEADER
+
+    def digest() -> str:
+        hasher = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+    async def body():
+        with open(path, "rb") as f:
+            while chunk := await asyncio.to_thread(f.read, chunk_bytes):
+                yield chunk
+
+    size = path.stat().st_size
+    headers = {**control_headers(), SIZE_HEADER: str(size), SHA256_HEADER: await asyncio.to_thread(digest)}
+    url = base_url + UPLOAD_PATH
+    async with session.put(url, data=body(), headers=headers) as resp:
+        text = await resp.text()
+        if resp.status >= 400:
+            raise WeightPushError(f"PUT {url} -> HTTP {resp.status}: {text[:500]}")
+    answer = json.loads(text)
+    if answer.get("bytes") != size:
+        raise WeightPushError(f"PUT {url}: the server kept {answer.get('bytes')} bytes of {size}")
+    return answer["path"]
+
+
+async def _delete(session: aiohttp.ClientSession, url: str) -> None:
+    async with session.delete(url, headers=control_headers()) as resp:
+        if resp.status >= 400:
+            raise WeightPushError(f"DELETE {url} -> HTTP {resp.status}: {(await resp.text())[:500]}")
 
 
 async def _rpc(session: aiohttp.ClientSession, base_url: str, method: str, *args: str) -> dict:
@@ -164,9 +229,12 @@ async def push_weights(
     *,
     timeout_s: float = 300.0,
     recompute_kv: bool = True,
+    transport: str = "auto",
 ) -> PushResult:
     """Hot-swap `weights` (a safetensors path, or a state dict with checkpoint names) into the
-    server at `base_url` and label them `version`; `recompute_kv`: module docstring, step 3."""
+    server at `base_url` and label them `version`; `recompute_kv`: module docstring, step 3;
+    `transport`: how the file reaches the server (TRANSPORTS)."""
+    how = transport_for(base_url, transport)
     base_url = base_url.rstrip("/")
     write_s = 0.0
     owned_file = None
@@ -179,8 +247,28 @@ async def push_weights(
         path = Path(weights).resolve()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
+        num_bytes = path.stat().st_size
+    except FileNotFoundError:
+        raise WeightPushError(f"weights file not found: {path}") from None
+    try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            staged = await _rpc(session, base_url, "agentrl_stage_weights", str(path))
+            upload_s, server_path = 0.0, str(path)
+            if how == "stream":
+                t0 = time.perf_counter()
+                server_path = await upload_weights(session, base_url, path)
+                upload_s = time.perf_counter() - t0
+            try:
+                staged = await _rpc(session, base_url, "agentrl_stage_weights", server_path)
+            except WeightPushError as err:
+                if how == "shm" and "not found" in str(err):
+                    raise WeightPushError(
+                        f"{err} (the 'shm' transport hands the server a path on this host, and the server at "
+                        f"{base_url} cannot read it: it runs on another host or in another mount namespace; push "
+                        "with transport 'stream': learner.weight_transport = \"stream\", or --transport stream)") from None
+                raise
+            finally:
+                if how == "stream":  # staged (read into the worker) or refused: the server's copy can go
+                    await _delete(session, base_url + UPLOAD_PATH)
             t_pause = time.perf_counter()
             await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true" if recompute_kv else "false"})
             try:
@@ -194,7 +282,8 @@ async def push_weights(
     finally:
         if owned_file is not None:
             owned_file.unlink(missing_ok=True)
-    return PushResult(int(version), pause_s, float(applied["reload_s"]), float(staged["stage_s"]), write_s)
+    return PushResult(int(version), pause_s, float(applied["reload_s"]), float(staged["stage_s"]), write_s,
+                      transport=how, bytes=num_bytes, upload_s=upload_s)
 
 
 async def reset_kv_cache(base_url: str, *, timeout_s: float = 60.0) -> None:
@@ -217,6 +306,9 @@ def push_main(argv: list[str]) -> int:
     parser.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--weights", required=True, help="safetensors file with checkpoint parameter names")
     parser.add_argument("--version", type=int, default=None, help="policy version label (default: server's + 1)")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                        help="shm: the server reads the file on this host; stream: the bytes go over HTTP (any host); "
+                             "auto: shm for a loopback server, else stream")
     args = parser.parse_args(argv)
 
     async def run() -> PushResult:
@@ -226,7 +318,7 @@ def push_main(argv: list[str]) -> int:
 
             async with VLLMClient(args.server) as client:
                 version = await client.weight_version() + 1
-        return await push_weights(args.server, args.weights, version)
+        return await push_weights(args.server, args.weights, version, transport=args.transport)
 
     try:
         result = asyncio.run(run())
