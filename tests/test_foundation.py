@@ -242,7 +242,7 @@ async def test_bad_pushes_are_refused_and_change_nothing(vllm_server, tokenizer,
 
 
 def _uploads() -> list[Path]:
-    """Every copy a server keeps of a streamed push (agentrl.common.weight_upload)."""
+    """Every copy a server keeps of a streamed push (agentrl.common.server_control)."""
     return sorted(Path(weights_root()).glob("agentrl-weights-*/upload-*"))
 
 
@@ -250,7 +250,7 @@ async def test_a_stream_push_goes_over_http_and_the_server_keeps_no_copy(vllm_se
     """The `stream` transport: the learner sends the bytes to /agentrl/weights (checksummed), the
     server stages its own copy and deletes it; the served model is the pushed one, then the original."""
     original = load_file(str(model_dir / "model.safetensors"))
-    update = perturbed({k: v for k, v in original.items() if k.startswith("model.layers.29.")})
+    update = perturbed({k: v for k, v in original.items() if k.startswith("model.layers.29.")}, scale=0.3)  # 0.02 left greedy unchanged
     ids = chat_ids(tokenizer)
     async with VLLMClient(vllm_server.base_url) as client:
         before = await greedy(client, ids)
@@ -273,8 +273,12 @@ async def test_a_stream_push_goes_over_http_and_the_server_keeps_no_copy(vllm_se
 
 
 @pytest.mark.parametrize("case", ["wrong_digest", "short_body", "too_large", "no_headers"])
-def test_a_streamed_body_that_does_not_match_is_refused_and_nothing_is_kept(vllm_server, model_dir, tokenizer, case):
+async def test_a_streamed_body_that_does_not_match_is_refused_and_nothing_is_kept(vllm_server, model_dir, tokenizer, case):
+    """As the learner sends them (aiohttp, `Expect: 100-continue`: a push refused on its headers is
+    answered before its body is sent)."""
     import hashlib
+
+    import aiohttp
 
     body = (model_dir / "model.safetensors").read_bytes()[:1 << 20]
     digest = hashlib.sha256(body).hexdigest()
@@ -289,12 +293,9 @@ def test_a_streamed_body_that_does_not_match_is_refused_and_nothing_is_kept(vllm
         headers = {}
     expected = {"wrong_digest": (400, "SHA-256"), "short_body": (400, "shorter"), "too_large": (413, "bytes is over"),
                 "no_headers": (400, "X-Agentrl-Size")}[case]
-    request = urllib.request.Request(vllm_server.base_url + "/agentrl/weights", data=body, headers=headers, method="PUT")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            status, text = resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        status, text = err.code, err.read().decode()
+    async with aiohttp.ClientSession() as session, session.put(vllm_server.base_url + "/agentrl/weights", data=body,
+                                                                headers=headers, expect100=True) as resp:
+        status, text = resp.status, await resp.text()
     assert (status, expected[1] in text) == (expected[0], True), (status, text)
     assert _uploads() == []
 

@@ -68,8 +68,9 @@ async def test_pushes_reach_a_server_that_cannot_read_this_hosts_files_only_by_s
     url = private_server.base_url
     original = load_file(str(model_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
-    update = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items() if k.startswith("model.layers.29.")}
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)
+    update = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in original.items() if k.startswith("model.layers.29.")}
+    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False))
     async with VLLMClient(url) as client:
         before = await _greedy(client, ids)
         version0 = await client.weight_version()

@@ -1,5 +1,6 @@
-"""Who may use a vLLM server's weight-control endpoints: an ASGI middleware the server loads with
-`--middleware agentrl.common.control_auth.control_auth` (engine/serve.py always passes it).
+"""Who may use a vLLM server's weight-control endpoints: the rule of the ASGI middleware the server
+loads with `--middleware agentrl.common.server_control.control_middleware` (engine/serve.py always
+passes it; agentrl/common/server_control.py).
 
 The server runs with `VLLM_SERVER_DEV_MODE=1`, which the hot swap needs (`/collective_rpc`,
 `/pause`, `/resume`, `/update_weight_version`, `/reset_prefix_cache`), and which also exposes
@@ -11,19 +12,20 @@ needs either a loopback peer (127.0.0.0/8, ::1) when no token is set, or, when t
 environment holds `AGENTRL_CONTROL_TOKEN`, the header `X-Agentrl-Control-Token` with that value
 (from any peer, loopback included). `agentrl serve-model` refuses a non-loopback `--host` without a
 token; the learner's push (`common/weights.py`) sends the token from its own environment. The
-middleware also serves `/agentrl/weights` (a push's bytes over the network, common/weight_upload.py)
-once the request has passed that rule.
+middleware also serves `/agentrl/weights` (a push's bytes over the network) once the request has
+passed that rule.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 import os
 
 UPLOAD_PATH = "/agentrl/weights"
-"""Where the `stream` transport uploads a push (agentrl.common.weight_upload)."""
+"""Where the `stream` transport uploads a push (agentrl.common.server_control)."""
+SIZE_HEADER = "X-Agentrl-Size"
+SHA256_HEADER = "X-Agentrl-Sha256"
 CONTROL_TOKEN_ENV = "AGENTRL_CONTROL_TOKEN"
 CONTROL_TOKEN_HEADER = "X-Agentrl-Control-Token"
 PUBLIC_PREFIXES = ("/v1/", "/inference/v1/", "/health", "/ping", "/version", "/metrics", "/tokenize",
@@ -61,18 +63,3 @@ def allowed(path: str, peer_host: str | None, given_token: str | None, token: st
     if is_loopback(peer_host):
         return True, ""
     return False, f"{path} is a weight-control endpoint: loopback peers only (the server has no {CONTROL_TOKEN_ENV})"
-
-
-async def control_auth(request, call_next):
-    """vLLM `--middleware` function (FastAPI `http` middleware): refuse control paths with 403."""
-    from starlette.responses import Response
-
-    ok, why = allowed(request.url.path, request.client.host if request.client else None,
-                      request.headers.get(CONTROL_TOKEN_HEADER), os.environ.get(CONTROL_TOKEN_ENV))
-    if not ok:
-        return Response(json.dumps({"error": why}), status_code=403, media_type="application/json")
-    if request.url.path == UPLOAD_PATH:  # the one control endpoint vLLM lacks: a push's bytes (the `stream` transport)
-        from agentrl.common import weight_upload
-
-        return await weight_upload.handle(request)
-    return await call_next(request)

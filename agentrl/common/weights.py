@@ -51,7 +51,7 @@ from pathlib import Path
 
 import aiohttp
 
-from agentrl.common.control_auth import UPLOAD_PATH, control_headers
+from agentrl.common.control_auth import SHA256_HEADER, SIZE_HEADER, UPLOAD_PATH, control_headers
 
 SHM_DIR = "/dev/shm"
 
@@ -178,7 +178,6 @@ async def upload_weights(session: aiohttp.ClientSession, base_url: str, path: Pa
     server-side path of its copy. The SHA-256 is computed first and checked by the server."""
     import hashlib
 
-    from agentrl.common.weight_upload import SHA256_HEADER, SIZE_HEADER
 
     def digest() -> str:
         hasher = hashlib.sha256()
@@ -195,7 +194,8 @@ async def upload_weights(session: aiohttp.ClientSession, base_url: str, path: Pa
     size = path.stat().st_size
     headers = {**control_headers(), SIZE_HEADER: str(size), SHA256_HEADER: await asyncio.to_thread(digest)}
     url = base_url + UPLOAD_PATH
-    async with session.put(url, data=body(), headers=headers) as resp:
+    # Expect: 100-continue: a push the server refuses on its headers (too large) is answered before the body goes.
+    async with session.put(url, data=body(), headers=headers, expect100=True) as resp:
         text = await resp.text()
         if resp.status >= 400:
             raise WeightPushError(f"PUT {url} -> HTTP {resp.status}: {text[:500]}")

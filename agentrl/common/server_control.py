@@ -1,4 +1,8 @@
-"""The receiving end of the `stream` weight transport, inside a vLLM server's API process.
+"""What agentrl adds to a vLLM server's API process: the control middleware, and the receiving end
+of the `stream` weight transport.
+
+`control_middleware` (vLLM's `--middleware`, engine/serve.py) refuses the weight-control paths to
+whoever agentrl.common.control_auth's rule refuses (403), and serves `/agentrl/weights` itself.
 
 `PUT /agentrl/weights` takes a push's safetensors bytes over HTTP, from a learner on any host, and
 writes them to the server's own weights directory (`/dev/shm/agentrl-weights-<pid>`,
@@ -10,8 +14,8 @@ or a client that goes away mid-body, leaves no file and answers 400. A size over
 before a byte is written. One upload is kept at a time: a new one replaces the last, and
 `DELETE /agentrl/weights` (sent once the server has staged the push) removes it.
 
-The path is a control endpoint: common/control_auth.py lets it through only with the server's
-control token (or from loopback without one), and dispatches it here.
+The path is a control endpoint: the middleware lets it through only with the server's control
+token (or from loopback without one).
 """
 
 from __future__ import annotations
@@ -26,13 +30,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.common.control_auth import UPLOAD_PATH
+from agentrl.common.control_auth import (
+    CONTROL_TOKEN_ENV,
+    CONTROL_TOKEN_HEADER,
+    SHA256_HEADER,
+    SIZE_HEADER,
+    UPLOAD_PATH,
+    allowed,
+)
+from agentrl.common.weights import own_weights_dir
 
-SIZE_HEADER = "X-Agentrl-Size"
-SHA256_HEADER = "X-Agentrl-Sha256"
 MAX_BYTES_ENV = "AGENTRL_MAX_WEIGHTS_BYTES"
 DEFAULT_MAX_BYTES = 64 << 30
 UPLOAD_PREFIX = "upload-"
+
+
+async def control_middleware(request, call_next):
+    """vLLM `--middleware` function (FastAPI `http` middleware): refuse control paths with 403."""
+    ok, why = allowed(request.url.path, request.client.host if request.client else None,
+                      request.headers.get(CONTROL_TOKEN_HEADER), os.environ.get(CONTROL_TOKEN_ENV))
+    if not ok:
+        return _json(403, {"error": why})
+    if request.url.path == UPLOAD_PATH:  # the one control endpoint vLLM lacks: a push's bytes (the `stream` transport)
+        return await handle(request)
+    return await call_next(request)
 
 
 def _json(status: int, body: dict):
@@ -47,8 +68,6 @@ def _uploads(directory: Path) -> list[Path]:
 
 async def handle(request):
     """PUT: receive one push (module docstring); DELETE: remove the kept upload."""
-    from agentrl.common.weights import own_weights_dir
-
     directory = own_weights_dir()
     if request.method == "DELETE":
         removed = _uploads(directory)
