@@ -129,6 +129,26 @@ class EvalConfig:
 
 
 @config_dataclass
+class NetworkConfig:
+    host: str = "127.0.0.1"
+    """The address this run's learners and vLLM server bind. Loopback (the default) keeps them on
+    this host. Any other address (one other hosts reach) makes the run provision their credentials
+    under RUN_DIR, each file 0600, kept across --resume: CurveZMQ keys for the learners' sockets
+    (RUN_DIR/curve/, unless [learner] names its own) and a control token for the server's weight
+    endpoints (RUN_DIR/control_token, unless AGENTRL_CONTROL_TOKEN is set); the processes get them
+    from files and the environment, never on a command line. The built-in tool services and your
+    `[[tools]] command` services stay on loopback."""
+
+    def __post_init__(self) -> None:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            raise ValueError(f"host: {self.host!r} is not an IP address (the address to bind, e.g. 10.0.0.5)") from None
+
+
+@config_dataclass
 class LoggingConfig:
     status_every_s: float = 30.0
     """Seconds between status lines on the terminal (phase, step, episodes, reward, ETA)."""
@@ -175,6 +195,8 @@ class TrainConfig:
     instead of the native episode loop (engine/agent.py); empty: native episodes."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """[network]: where the run's endpoints bind, and the credentials it provisions off loopback."""
 
     def __post_init__(self) -> None:
         if not self.minutes > 0:

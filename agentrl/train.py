@@ -80,6 +80,8 @@ ANCHOR_DIR = "rl-anchor"
 """Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor_coef > 0)."""
 RUN_CLIENT = "agentrl-run"
 """Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
+RUN_LEARNER = "agentrl-run-learner"
+"""Name of the learners' server certificate a run makes off loopback when [learner] names none."""
 
 
 def _agentrl(*args: str) -> list[str]:
@@ -93,10 +95,10 @@ def _single_group(group_id: str, traj):
     return TrajectoryGroup(group_id, traj.task_id, [dataclasses.replace(traj, group_id=group_id)])
 
 
-def _free_endpoint() -> str:
+def _free_endpoint(host: str = "127.0.0.1") -> str:
     from agentrl.engine.serve import free_port
 
-    return f"tcp://127.0.0.1:{free_port()}"
+    return f"tcp://{host}:{free_port(host)}"
 
 
 def write_episode_texts(path: Path, trajectories, chat) -> None:
@@ -199,9 +201,28 @@ class Supervisor:
 
         cfg = self.config
         self.model_dir = str(resolve_model(cfg.model_dir or None))
+        self._provision_control_token()
         self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
                                              model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
-                                             say=self.say)
+                                             say=self.say, host=cfg.network.host)
+
+    def _provision_control_token(self) -> None:
+        """Off loopback, the vLLM server's weight endpoints need a token (common/control_auth.py): the
+        run makes one (RUN_DIR/control_token, 0600, kept across --resume) unless this environment
+        has one, and puts it in its own environment, which the server and the learners inherit
+        (the learners' pushes send it); it never appears on a command line or in a log."""
+        from agentrl.common.control_auth import CONTROL_TOKEN_ENV, is_loopback
+
+        if is_loopback(self.config.network.host) or self.config.services.vllm or os.environ.get(CONTROL_TOKEN_ENV):
+            return
+        path = self.out / "control_token"
+        if not path.exists():
+            import secrets
+
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        os.environ[CONTROL_TOKEN_ENV] = path.read_text().strip()
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -221,42 +242,55 @@ class Supervisor:
 
     # -- learner / actor processes
     def _learner_curve(self) -> tuple[dict, dict]:
-        """CurveZMQ on the learners' sockets when `[learner]` names keys: (learner config keys, the
-        client keys of the actor and of the SFT stream); ({}, {}) without keys, and nothing is made.
+        """CurveZMQ on the learners' sockets: (learner config keys, the client keys of the actor and
+        of the SFT stream); ({}, {}) on loopback without keys in `[learner]`, and nothing is made.
 
-        The learners bind on loopback either way. With keys, the run makes a client certificate for
-        its own connections (RUN_DIR/curve/agentrl-run.key_secret, kept across --resume) and the learners
-        admit it besides the `*.key` of [learner] curve_authorized_clients_dir (both copied into
-        RUN_DIR/curve/clients); the clients get the public half of [learner] curve_secret_key_file
-        (RUN_DIR/curve/learner.key), never the secret file."""
+        With keys in `[learner]`, the run makes a client certificate for its own connections
+        (RUN_DIR/curve/agentrl-run.key_secret, kept across --resume) and the learners admit it besides
+        the `*.key` of [learner] curve_authorized_clients_dir (both copied into RUN_DIR/curve/clients);
+        the clients get the public half of [learner] curve_secret_key_file (RUN_DIR/curve/learner.key),
+        never the secret file. Off loopback (`[network] host`) without keys in `[learner]`, the run
+        also makes the learners' server certificate (RUN_DIR/curve/agentrl-run-learner.key_secret)
+        and admits its own client only. Secret files are 0600 in a 0700 folder."""
         if self._curve is not None:
-            return self._curve
-        keys = self.config.learner.curve_keys()
-        if keys is None:
-            self._curve = ({}, {})
             return self._curve
         import zmq.auth
 
+        from agentrl.common.control_auth import is_loopback
         from agentrl.common.curve import write_public_certificate
 
+        keys = self.config.learner.curve_keys()
+        if keys is None and is_loopback(self.config.network.host):
+            self._curve = ({}, {})
+            return self._curve
         folder = self.out / "curve"
         folder.mkdir(mode=0o700, exist_ok=True)
         client_secret = folder / f"{RUN_CLIENT}.key_secret"
         if not client_secret.exists():
             zmq.auth.create_certificates(folder, RUN_CLIENT)
             client_secret.chmod(0o600)  # create_certificates leaves it to the umask
-        given = sorted(Path(keys.authorized_clients_dir).glob("*.key"))
-        if any(cert.name == f"{RUN_CLIENT}.key" for cert in given):
-            raise ConfigError(f"learner.curve_authorized_clients_dir: {keys.authorized_clients_dir} holds a {RUN_CLIENT}.key, "
-                              "the name of the run's own client certificate; rename it")
+        if keys is not None:
+            given = sorted(Path(keys.authorized_clients_dir).glob("*.key"))
+            if any(cert.name == f"{RUN_CLIENT}.key" for cert in given):
+                raise ConfigError(f"learner.curve_authorized_clients_dir: {keys.authorized_clients_dir} holds a {RUN_CLIENT}.key, "
+                                  "the name of the run's own client certificate; rename it")
+            server_public_key, learner_keys = keys.public_key, {}
+        else:
+            given = []
+            server_secret = folder / f"{RUN_LEARNER}.key_secret"
+            if not server_secret.exists():
+                zmq.auth.create_certificates(folder, RUN_LEARNER)
+                server_secret.chmod(0o600)
+            server_public_key, _ = zmq.auth.load_certificate(server_secret)
+            learner_keys = {"curve_secret_key_file": str(server_secret)}
         clients = folder / "clients"
         shutil.rmtree(clients, ignore_errors=True)
         clients.mkdir()
         for cert in [*given, folder / f"{RUN_CLIENT}.key"]:
             shutil.copyfile(cert, clients / cert.name)
         server_public = folder / "learner.key"
-        write_public_certificate(server_public, keys.public_key)
-        self._curve = ({"curve_authorized_clients_dir": str(clients)},
+        write_public_certificate(server_public, server_public_key)
+        self._curve = ({**learner_keys, "curve_authorized_clients_dir": str(clients)},
                        {"curve_server_key": str(server_public), "curve_client_key": str(client_secret)})
         return self._curve
 
@@ -268,8 +302,8 @@ class Supervisor:
             "mode": "sft" if phase == "sft" else "rl",
             "model_dir": self.model_dir,
             "server_urls": self.services.vllm_urls,
-            "group_endpoint": _free_endpoint(),
-            "version_endpoint": _free_endpoint(),
+            "group_endpoint": _free_endpoint(self.config.network.host),
+            "version_endpoint": _free_endpoint(self.config.network.host),
             "progress_bar": False,
             "seed": self.config.seed,
         }

@@ -165,10 +165,12 @@ def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: 
 
 
 async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
-                         model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True) -> Services:
+                         model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True,
+                         host: str = "127.0.0.1") -> Services:
     """Start the tool services and (unless `start_vllm` is False: `agentrl check`) the vLLM server
-    the config does not point at. On failure every process started so far is stopped before the
-    error propagates."""
+    the config does not point at, the server bound to `host` (off loopback it needs
+    AGENTRL_CONTROL_TOKEN in this environment). On failure every process started so far is stopped
+    before the error propagates."""
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -206,7 +208,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             services.remote.append(RemoteService(name, endpoints))
         if not services.vllm_urls and start_vllm:
             server = VLLMServer(
-                VLLMServerConfig(model_dir=model_dir, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
+                VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
                                  gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_gib=config.kv_cache_gib),
                 log_path=logs / "vllm.log")
             services.vllm_server = server

@@ -235,6 +235,8 @@ class Learner:
             last = self.publisher.reports[-1]
             record["publish/last_total_s"] = last.total_s
             record["publish/last_version"] = last.version
+            record["publish/last_transports"] = sorted({str(s["transport"]) for s in last.per_server.values()})
+            record["publish/last_bytes"] = sum(int(s["bytes"]) for s in last.per_server.values())
         record["publish/servers_down"] = len(self.publisher.down)
         record["publish/failures"] = sum(self.publisher.num_push_failures.values())
         record["publish/recoveries"] = self.publisher.num_recoveries

@@ -312,6 +312,54 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     assert supervisor._learner_config("sft", {})[1]["curve_authorized_clients_dir"] == learner.curve_authorized_clients_dir
 
 
+async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_clients_get_through(tmp_path):
+    """`[network] host` other than loopback, no keys in [learner]: the run makes the learners' server
+    certificate (0600 in a 0700 folder), the learners bind that address with it, the actor gets the
+    matching client keys, and a sender without them gets nothing through."""
+    import stat
+
+    from support.network import routable_address
+
+    from agentrl.runconfig import NetworkConfig, TrainConfig
+    from agentrl.train import Supervisor
+
+    host = routable_address()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to bind")
+    supervisor = Supervisor(TrainConfig(network=NetworkConfig(host=host)), tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    supervisor.model_dir = str(tmp_path / "model")
+    supervisor.services = SimpleNamespace(vllm_urls=[f"http://{host}:9"], remote=[], local=[])
+    path, data = supervisor._learner_config("rl", {})
+    learner = build(LearnerConfig, read_toml(path), default_source=str(path))
+    actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
+    curve = tmp_path / "run" / "curve"
+    assert learner.group_endpoint.startswith(f"tcp://{host}:") and learner.version_endpoint.startswith(f"tcp://{host}:")
+    assert learner.curve_secret_key_file == str(curve / "agentrl-run-learner.key_secret")
+    assert sorted(p.name for p in Path(learner.curve_authorized_clients_dir).iterdir()) == ["agentrl-run.key"]
+    for secret in ("agentrl-run-learner.key_secret", "agentrl-run.key_secret"):
+        assert stat.S_IMODE((curve / secret).stat().st_mode) == 0o600
+    assert stat.S_IMODE(curve.stat().st_mode) == 0o700
+    receiver = GroupReceiver(learner.group_endpoint, curve=learner.curve_keys())
+    sender = GroupSender(actor.group_endpoint, curve=actor.curve_keys())
+    plain = GroupSender(actor.group_endpoint)
+    await receiver.start()
+    await sender.start()
+    await plain.start()
+    send = await _send_refused(plain, "g-plain")
+    try:
+        await _send_and_ack(sender, receiver, "g-run")
+        await _never_received(receiver)
+        assert plain.num_acked == 0
+    finally:
+        send.cancel()
+        await plain.close()
+        await sender.close()
+        await receiver.close()
+    # A second call (the SFT phase, a resumed run) keeps the same keys.
+    assert supervisor._learner_config("sft", {})[1]["curve_secret_key_file"] == learner.curve_secret_key_file
+
+
 def test_run_config_keys_go_in_learner_not_sft_learner(keys, tmp_path):
     from agentrl.runconfig import load_run_config
 

@@ -1,0 +1,125 @@
+"""`agentrl train` with `[network] host` = this machine's routable address (not loopback): the run
+provisions the learners' CurveZMQ keys and the vLLM server's control token under the run directory
+(0600), binds the learners and the server there, and trains through them, the weights reaching the
+server by the `stream` transport (its URL is not loopback); the token is on no command line and in
+no log; a client without the keys gets nothing through to the learner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+from urllib.parse import urlparse
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CONFIG = """
+minutes = 6.0
+[network]
+host = "{host}"
+[tasks.options]
+heldout_num = 6
+heldout_hops = [1]
+num_train = 64
+demonstration_hops = [1]
+[[tasks.options.curriculum]]
+hops = [1]
+[services]
+tools = ["search"]
+[env]
+worked_example = true
+max_turns = 2
+max_action_tokens = 48
+max_total_tokens = 2048
+[orchestrator]
+group_size = 4
+max_concurrent_episodes = 16
+max_groups_in_flight = 4
+[sft]
+enabled = true
+num_examples = 16
+steps = 2
+[sft.learner]
+tokens_per_step = 2048
+[learner]
+tokens_per_step = 2048
+anchor_coef = 0.0
+[learner.trainer]
+train_layers = 1
+max_row_tokens = 2048
+[learner.trainer.advantage]
+dynamic_sampling = false
+[eval]
+every_s = 100000.0
+baselines = false
+baseline_questions = 0
+"""
+
+
+def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(tmp_path):
+    from support.network import routable_address
+    from support.synthetic import make_group
+
+    host = routable_address()
+    if host is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to bind")
+    config = tmp_path / "net.toml"
+    config.write_text(CONFIG.format(host=host))
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # While the RL learner runs: a client without the keys sends a well-formed group; no answer comes.
+        deadline = time.monotonic() + 600
+        while not (out / "learner-rl.toml").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        assert (out / "learner-rl.toml").exists(), "the RL phase did not start"
+        learner = tomllib.loads((out / "learner-rl.toml").read_text())
+        assert urlparse(learner["group_endpoint"]).hostname == host
+        answered = asyncio.run(_send_without_keys(learner["group_endpoint"], make_group("intruder", [1.0, 0.0])))
+        assert answered is False, "the learner answered a client without the run's keys"
+        stdout, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["rl_steps"] >= 1
+
+    # The credentials: made by the run, 0600, in a 0700 folder.
+    token_file = out / "control_token"
+    for path in (token_file, out / "curve" / "agentrl-run-learner.key_secret", out / "curve" / "agentrl-run.key_secret"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert stat.S_IMODE((out / "curve").stat().st_mode) == 0o700
+    assert learner["curve_secret_key_file"] == str(out / "curve" / "agentrl-run-learner.key_secret")
+    # The server bound the routable address and the pushes streamed to it.
+    actor = tomllib.loads((out / "actor.toml").read_text())
+    assert all(urlparse(url).hostname == host for url in actor["vllm"])
+    pushes = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    transports = {t for p in pushes for t in p.get("publish/last_transports", [])}
+    assert transports == {"stream"}, transports
+    # The token is on no command line and in no log or config the run wrote.
+    token = token_file.read_text().strip()
+    texts = [stdout, *(p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix in (".log", ".toml", ".json", ".jsonl", ".md"))]
+    assert not any(token in text for text in texts)
+
+
+async def _send_without_keys(endpoint: str, group) -> bool:
+    """Whether the learner answers (acks or nacks) a group from a GroupSender without keys within 10 s."""
+    from agentrl.common.transport import GroupSender
+
+    sender = GroupSender(endpoint)
+    await sender.start()
+    send = asyncio.ensure_future(sender.send(group))  # may block for good: libzmq drops a refused peer's pipe
+    try:
+        await asyncio.sleep(10)
+        return sender.num_acked + sender.num_rejected + sender.num_unmatched_nacks > 0
+    finally:
+        send.cancel()
+        await sender.close()
