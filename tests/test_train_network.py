@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 CONFIG = """
-minutes = 6.0
+minutes = 4.0
 [network]
 host = "{host}"
 [tasks.options]
