@@ -107,10 +107,15 @@ def _metric_lines(path: Path) -> list[dict]:
 def test_train_survives_killed_search_replica_and_learner(tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(CONFIG)
-    out = tmp_path / "run"
+    # Started from one working directory with a relative --out, resumed from another with another
+    # HOME (standing in for a second host that mounts the run directory).
+    host_a, host_b, home_b = tmp_path / "host_a", tmp_path / "host_b", tmp_path / "home_b"
+    for folder in (host_a, host_b, home_b):
+        folder.mkdir()
+    out = host_a / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", "run"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=host_a,
     )
     reader = LineReader(proc.stdout)
     try:
@@ -144,11 +149,16 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
 
-    # --resume finishes the run (a shorter budget for what is left).
-    resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out), "--set", "minutes=2.5"],
-                             capture_output=True, text=True, timeout=1500)
+    # --resume finishes the run (a shorter budget for what is left), from the other "host": nothing
+    # it needs may live in the first one's working directory or HOME (the model is prepared again
+    # in the new HOME; the checkpoints, spool, ledger and anchor are in the run directory).
+    resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", "../host_a/run", "--set", "minutes=2.5"],
+                             capture_output=True, text=True, timeout=1500, cwd=host_b,
+                             env={**{k: v for k, v in os.environ.items() if k != "AGENTRL_CACHE"}, "HOME": str(home_b)})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    summary["report"], summary["hf"] = str((host_b / summary["report"]).resolve()), str((host_b / summary["hf"]).resolve())
+    assert (home_b / ".cache" / "agentrl" / "models").is_dir()
     assert summary["optimizer_steps"] >= 2 + 2  # SFT steps + RL steps across the restart
     assert summary["episodes"] > 0
     assert Path(summary["report"]).is_file()
@@ -207,7 +217,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
 
     # The run's end exported the policy; evaluated alone (a fresh server, the run's config from the
     # folder), it scores what the run's final evaluation did.
-    assert summary["hf"] == str(out / "hf") and (out / "hf" / "model.safetensors").is_file()
+    assert summary["hf"] == str((out / "hf").resolve()) and (out / "hf" / "model.safetensors").is_file()
     eval_proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "eval", "--model", str(out / "hf"), "--no-baselines"],
                                capture_output=True, text=True, timeout=900)
     assert eval_proc.returncode == 0, eval_proc.stderr[-3000:]
