@@ -303,12 +303,13 @@ async def test_a_streamed_body_that_does_not_match_is_refused_and_nothing_is_kep
 def test_push_weights_cli_prints_one_json_line(vllm_server, model_dir):
     out = subprocess.run(
         [sys.executable, "-P", "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,
-         "--weights", str(model_dir / "model.safetensors"), "--version", "0"],
+         "--weights", str(model_dir / "model.safetensors"), "--version", "0", "--transport", "stream"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["version"] == 0 and line["pause_s"] > 0 and line["reload_s"] > 0
+    assert line["transport"] == "stream" and line["bytes"] == (model_dir / "model.safetensors").stat().st_size
 
 
 def test_push_weights_cli_refusal_is_a_clear_error(vllm_server, tmp_path):
