@@ -77,7 +77,7 @@ async def check(config, workdir: Path, say=print) -> list[str]:
                                     model_dir=model_dir, corpus=taskset.corpus, logs=workdir / "logs",
                                     say=say, start_vllm=False)
     try:
-        remote = [*services.remote]
+        remote = services.remote
         async with Connections([], remote, model_dir, config.env, local=services.local) as conn:
             env = conn.env
             if not env.tools:

@@ -8,6 +8,9 @@ A push, in order:
    processes that no longer run. A writer sweeps on its first write, and `agentrl train` when it
    stops its processes. Before this, each SIGKILLed or early-stopped learner left its weights file
    (538 MB for the 135M model, in RAM) in /dev/shm for good.
+   How the file reaches the server is the push's transport (`TRANSPORTS`): `shm` names the file
+   (a server on this host reads it), `stream` sends its bytes to the server's /agentrl/weights
+   (agentrl/common/server_control.py), which keeps its own copy until it is staged.
 2. stage: the server's worker reads and validates the file (names, shapes, finite values) while
    it keeps generating. A refused push stops here: nothing was paused or applied.
 3. pause with mode `keep`: running requests freeze in the scheduler. With `recompute_kv` (the
