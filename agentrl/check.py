@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +41,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from agentrl.engine.task import TaskError
     from agentrl.runconfig import load_run_config
+    from agentrl.toolservers.process import ToolServerStartError
 
     t0 = time.monotonic()
     try:
@@ -47,12 +49,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"agentrl check: bad config:\n{err}", file=sys.stderr)
         return 2
+    workdir = Path(tempfile.mkdtemp(prefix="agentrl-check-"))
     try:
-        with tempfile.TemporaryDirectory(prefix="agentrl-check-") as workdir:
-            lines = asyncio.run(check(config, Path(workdir), say=print))
-    except (ConfigError, TaskError, FileNotFoundError) as err:
-        print(f"agentrl check: {err}", file=sys.stderr)
+        lines = asyncio.run(check(config, workdir, say=print))
+    except (ConfigError, TaskError, ToolServerStartError, OSError) as err:
+        # The services' logs stay for reading (the error may name one); removed when the check passes.
+        print(f"agentrl check: {err}\n(tool service logs: {workdir / 'logs'})", file=sys.stderr)
         return 2
+    shutil.rmtree(workdir)
     for line in lines:
         print(line)
     print(f"ok: {args.config or 'the embedded default'} is ready to train ({time.monotonic() - t0:.1f} s)")
@@ -94,9 +98,18 @@ async def check(config, workdir: Path, say=print) -> list[str]:
     return lines
 
 
+def _hook(call, what: str):
+    """Run one of the environment's hooks; whatever it raises is the environment's bug, named."""
+    try:
+        return call()
+    except Exception as err:  # noqa: BLE001 - user code: any exception is reported with where it came from
+        raise CheckError(f"env.class: {what} raised {type(err).__name__}: {err}") from err
+
+
 def check_prompts(env, tasks) -> str:
     """Every task renders; the longest prompt leaves room for an action within max_total_tokens."""
-    longest = max(((len(env.reset(t).token_ids), t.task_id) for t in tasks), default=(0, ""))
+    longest = max(((len(_hook(lambda t=t: env.reset(t), f"the prompt of task {t.task_id!r} (reset, first_messages)").token_ids),
+                    t.task_id) for t in tasks), default=(0, ""))
     room = env.config.max_total_tokens - longest[0]
     if room < env.config.max_action_tokens:
         raise CheckError(f"env.max_total_tokens: {env.config.max_total_tokens} leaves {room} tokens after the prompt of "
@@ -110,7 +123,7 @@ def check_demonstration(env, task, split: str, *, sft: bool) -> str:
     """The environment's demonstration of `task` parses, calls only offered tools with arguments
     their schemas accept, and ends with an answer; nothing is run."""
     where = f"env.class: the demonstration of {split} task {task.task_id!r}"
-    actions = env.demonstration(task)
+    actions = _hook(lambda: env.demonstration(task), f"demonstration(task {task.task_id!r})")
     if actions is None:
         note = "; the SFT cold start is skipped (sft.enabled = false, or write demonstration())" if sft else ""
         return f"demonstration ({split} {task.task_id}): none{note}"

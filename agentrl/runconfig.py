@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -143,9 +144,9 @@ class NetworkConfig:
         import ipaddress
 
         try:
-            ipaddress.ip_address(self.host)
+            ipaddress.IPv4Address(self.host)
         except ValueError:
-            raise ValueError(f"host: {self.host!r} is not an IP address (the address to bind, e.g. 10.0.0.5)") from None
+            raise ValueError(f"host: {self.host!r} is not an IPv4 address (the address to bind, e.g. 10.0.0.5)") from None
 
 
 @config_dataclass
@@ -224,12 +225,15 @@ def load_run_config(config_file: str | Path | None = None, sets: list | tuple = 
     if base is not None:
         data = layer({}, read_toml(base), origins=origins, source=f"the embedded default ({base.name})")
     if config_file is not None:
-        override = with_absolute_paths(read_toml(config_file), Path(config_file).resolve().parent, data)
+        override = with_absolute_paths(read_toml(config_file), Path(config_file).absolute().parent, data)
         data = _switching_layer(data, override, origins, str(config_file))
     for item in sets:
         text, label = item if isinstance(item, tuple) else (item, f"--set {item}")
         path, value = parse_override(text)
-        value = _get_path(with_absolute_paths(set_path({}, path, value), Path.cwd(), data), path)  # relative: to the working directory
+        resolved = with_absolute_paths(set_path({}, path, value), Path.cwd(), data)  # relative: to the working directory
+        value = _get_path(resolved, path)
+        if path == ("agent", "command"):  # runs where the command line was given, whatever a file said
+            data = set_path(data, ("agent", "cwd"), resolved["agent"].get("cwd"))
         if path in _SWITCHES and value != data.get(path[0], {}).get(path[1], _SWITCHES[path]):
             data = _drop_options(data, origins, path[0])
         data = set_path(data, path, value)
@@ -254,7 +258,11 @@ def with_absolute_paths(override: dict, base: Path, below: dict) -> dict:
     merged config names (`below`: the layers under this file), and, for a tool or agent command
     without its own `cwd`, `cwd` = `base`. (`--set` values go through it with the working directory.)
     A resolved config thus holds absolute paths, and a run's config.toml resumes from anywhere."""
+    base = Path(os.path.normpath(base))
     out = absolute_paths(TrainConfig, override, base)
+    sft = out.get("sft")
+    if isinstance(sft, dict) and isinstance(sft.get("learner"), dict):  # a plain table, layered over [learner]
+        out["sft"] = {**sft, "learner": absolute_paths(LearnerConfig, sft["learner"], base)}
     for entry in out.get("tools", []) if isinstance(out.get("tools"), list) else []:
         if isinstance(entry, dict) and (entry.get("command") or entry.get("mcp")) and "cwd" not in entry:
             entry["cwd"] = str(base)

@@ -146,6 +146,8 @@ class Supervisor:
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
         self._curve: tuple[dict, dict] | None = None
         """(learner keys, client keys) of the learners' sockets (`_learner_curve`), made once."""
+        self.control_token: str | None = None
+        """The run's provisioned control token off loopback (`_provision_control_token`), else None."""
 
     # -- bookkeeping
     def say(self, line: str) -> None:
@@ -201,28 +203,34 @@ class Supervisor:
 
         cfg = self.config
         self.model_dir = str(resolve_model(cfg.model_dir or None))
-        self._provision_control_token()
+        self.control_token = self._provision_control_token()
         self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
                                              model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
-                                             say=self.say, host=cfg.network.host)
+                                             say=self.say, host=cfg.network.host, control_token=self.control_token)
 
-    def _provision_control_token(self) -> None:
+    def _provision_control_token(self) -> str | None:
         """Off loopback, the vLLM server's weight endpoints need a token (common/control_auth.py): the
         run makes one (RUN_DIR/control_token, 0600, kept across --resume) unless this environment
-        has one, and puts it in its own environment, which the server and the learners inherit
-        (the learners' pushes send it); it never appears on a command line or in a log."""
-        from agentrl.common.control_auth import CONTROL_TOKEN_ENV, is_loopback
+        has one. It goes to the server's and the learners' environments only (the learners' pushes
+        send it) and to this process's own requests, never to the actor, tool services or agent
+        programs, and never onto a command line or into a log. None on loopback."""
+        from agentrl.common.control_auth import CONTROL_TOKEN_ENV, is_loopback, use_control_token
 
         if is_loopback(self.config.network.host) or self.config.services.vllm or os.environ.get(CONTROL_TOKEN_ENV):
-            return
+            return None
         path = self.out / "control_token"
-        if not path.exists():
+        if not path.exists() or not path.read_text().strip():  # absent, or left empty by a crash
             import secrets
 
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            partial = path.with_suffix(".partial")
+            partial.unlink(missing_ok=True)
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_hex(32))
-        os.environ[CONTROL_TOKEN_ENV] = path.read_text().strip()
+            partial.replace(path)
+        token = path.read_text().strip()
+        use_control_token(token)
+        return token
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -337,8 +345,13 @@ class Supervisor:
         path.write_text(dump_toml(actor_cfg))
         return path
 
-    def _start(self, name: str, argv: list[str]) -> ChildProcess:
-        proc = ChildProcess(name, argv, log_path=self.out / "logs" / f"{name}.log").start()
+    def _start(self, name: str, argv: list[str], *, control: bool = False) -> ChildProcess:
+        """Start a child of the run; `control`: it pushes weights, and gets the run's control token
+        (if any) in its environment."""
+        from agentrl.common.control_auth import CONTROL_TOKEN_ENV
+
+        env = {**os.environ, CONTROL_TOKEN_ENV: self.control_token} if control and self.control_token else None
+        proc = ChildProcess(name, argv, log_path=self.out / "logs" / f"{name}.log", env=env).start()
         self.procs.append(proc)
         self.say(f"started {name} (pid {proc.pid}, log {proc.log_path})")
         return proc
@@ -505,7 +518,7 @@ class Supervisor:
                  "budget come after it)")
         overrides = sft_learner_overrides(cfg.sft)
         config_path, data = self._learner_config("sft", overrides)
-        learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
+        learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)), control=True)
         client = self._learner_curve()[1]
         sender = GroupSender(data["group_endpoint"], max_unacked=8, max_frame_bytes=self.config.learner.max_group_frame_bytes,
                              curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))
@@ -608,7 +621,7 @@ class Supervisor:
         self._phase("rl")
         rl_start = time.monotonic()
         rl_eval_s = 0.0  # the RL-phase evaluations' time, counted with the evaluations
-        learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
+        learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)), control=True)
         actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
         next_eval = time.monotonic() + cfg.eval.every_s
         try:
@@ -631,7 +644,7 @@ class Supervisor:
                     self.say(f"learner exited with {rc}; restarting it (restart {self.learner_restarts}), "
                              "it resumes from its checkpoint")
                     self.procs.remove(learner)
-                    learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)))
+                    learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)), control=True)
                 max_eval_s = cfg.eval.max_share * cfg.minutes * 60 if cfg.eval.in_budget else math.inf
                 if rl_eval_fits(time.monotonic(), self.evals[self.first_eval_of_this_process:], next_eval_s=next_eval,
                                 rl_end_s=rl_end(), in_budget=cfg.eval.in_budget, max_eval_s=max_eval_s):
@@ -680,14 +693,15 @@ class Supervisor:
 
     async def _evaluate_policy(self, label: str) -> tuple[dict, list | None]:
         """The held-out evaluation `label` of the served policy, unless the latest clean evaluation
-        (baseline, after SFT, final) measured the same served version: the same weights, prompt,
-        tasks and greedy decoding give the same result, so that one is reused (its per-task files
+        (baseline, after SFT, final) measured the same served version on the whole held-out set (not a
+        baseline on a subset, `eval.baseline_questions`): the same weights, prompt, tasks and greedy
+        decoding give the same result, so that one is reused (its per-task files
         copied under this label) and nothing runs: (that summary, None) is returned then. Only this
         process's evaluations count (`first_eval_of_this_process`)."""
         versions = list((await self.conn.pool.weight_versions()).values())
         served = max(versions) if versions else -1
         same = [e for e in self.evals[self.first_eval_of_this_process:]
-                if e.get("label") in CLEAN_EVALUATIONS and e.get("served_version") == served
+                if e.get("label") in CLEAN_EVALUATIONS and e.get("served_version") == served and "subset_of" not in e
                 and e.get("harness", "native") == ("native" if self.eval_episodes is None else "agent")]
         if not same:
             return await self._evaluate(self.heldout, label)

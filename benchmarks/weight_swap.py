@@ -66,7 +66,7 @@ async def bench(server, num_swaps: int, num_inflight: int) -> dict:
         await asyncio.sleep(3.0)
         for i in range(2 * (num_swaps + 1)):  # the first push of each transport is a warm-up
             transport = TRANSPORTS[i % 2]
-            weights = perturbed if (i // 2) % 2 == 0 else original
+            weights = perturbed if i % 2 == 0 else original  # every push changes the served model
             t0 = time.perf_counter()
             r = await push_weights(server.base_url, weights, i + 1, transport=transport)
             if i >= 2:

@@ -102,12 +102,14 @@ class VLLMServerConfig:
 
 class VLLMServer:
     def __init__(self, config: VLLMServerConfig | None = None, *, log_path: str | Path | None = None,
-                 launcher: list[str] | tuple[str, ...] = ()):
+                 launcher: list[str] | tuple[str, ...] = (), control_token: str | None = None):
         self.config = config or VLLMServerConfig()
+        self.control_token = control_token
+        """The server's control token (its environment's AGENTRL_CONTROL_TOKEN); None: this process's, if any."""
         self.launcher = list(launcher)
         """An argv prefix the server's command runs under (a container or namespace wrapper that
         execs the rest), e.g. `unshare --mount ...`; its PID must become the server's."""
-        if not is_loopback(self.config.host) and not os.environ.get(CONTROL_TOKEN_ENV):
+        if not is_loopback(self.config.host) and not (control_token or os.environ.get(CONTROL_TOKEN_ENV)):
             raise ValueError(f"host {self.config.host!r} is not loopback: it would expose the weight-control endpoints "
                              f"(/pause, /collective_rpc, ...); set {CONTROL_TOKEN_ENV} in this environment and in the "
                              "learner's (its pushes send it)")
@@ -170,6 +172,8 @@ class VLLMServer:
         and decoding is as fast: 69.7 against 69.5 tokens/s (median, 32 requests x 64 tokens,
         side by side in one run). It also drops the need for a C++ compiler on the serving host."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        if self.control_token:
+            env[CONTROL_TOKEN_ENV] = self.control_token
         if vllm_is_cpu_build() and self.eager:
             env.setdefault("TORCH_COMPILE_DISABLE", "1")
         return env

@@ -166,11 +166,11 @@ def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: 
 
 async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
                          model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True,
-                         host: str = "127.0.0.1") -> Services:
+                         host: str = "127.0.0.1", control_token: str | None = None) -> Services:
     """Start the tool services and (unless `start_vllm` is False: `agentrl check`) the vLLM server
-    the config does not point at, the server bound to `host` (off loopback it needs
-    AGENTRL_CONTROL_TOKEN in this environment). On failure every process started so far is stopped
-    before the error propagates."""
+    the config does not point at, the server bound to `host` (off loopback it needs a control
+    token: `control_token`, else AGENTRL_CONTROL_TOKEN in this environment). On failure every process
+    started so far is stopped before the error propagates."""
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
     logs.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             server = VLLMServer(
                 VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
                                  gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_gib=config.kv_cache_gib),
-                log_path=logs / "vllm.log")
+                log_path=logs / "vllm.log", control_token=control_token)
             services.vllm_server = server
             say(f"starting vLLM server (log {server.log_path}) ...")
             await asyncio.to_thread(server.start)
@@ -300,16 +300,20 @@ def check_tool_sources(tools: list[ToolSource]) -> None:
                 check_command(argv, f"tools[{i}].{key}", source.cwd)
 
 
+INTERPRETERS = ("python", "python3", "bash", "sh")
+
+
 def check_command(argv: list[str], key: str, cwd: str | None, error: type[ConfigError] = ConfigError) -> None:
-    """The program exists, and so does each argument that names a script (*.py, *.sh), taken from
-    `cwd` (the config file's folder, unless the entry sets `cwd`) when relative."""
+    """The program exists, and so does the script an interpreter is given (`python tools.py`,
+    `bash run.sh`: the first argument, when it is not an option), taken from `cwd` (the config
+    file's folder, unless the entry sets `cwd`) when relative."""
     where = f" in {cwd}" if cwd else f" (relative paths given with --set are taken from the working directory {Path.cwd()})"
     if find_program(argv[0], cwd) is None:
         raise error(f"{key}: no such program {argv[0]!r}" + (where if "/" in argv[0] else ""))
-    for arg in argv[1:]:
-        if arg.endswith((".py", ".sh")) and not (Path(cwd or ".") / arg).is_file():
-            raise error(f"{key}: no such file {arg!r}{where}; fix the path (relative paths in a config file are "
-                        "taken from the file's folder)")
+    script = argv[1] if Path(argv[0]).name in INTERPRETERS and len(argv) > 1 and not argv[1].startswith("-") else None
+    if script is not None and not (Path(cwd or ".") / script).is_file():
+        raise error(f"{key}: no such file {script!r}{where}; fix the path (relative paths in a config file are "
+                    "taken from the file's folder)")
 
 
 class Connections:

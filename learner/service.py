@@ -120,7 +120,8 @@ class Learner:
         """The step whose weights were last handed to the publisher (-1: none yet)."""
         self._carried: dict[str, float] = {}
         """Waiting time and dropped-group counts of batches that trained nothing (every group dropped,
-        e.g. equal rewards under dynamic sampling), added to the next step's metrics line."""
+        e.g. equal rewards under dynamic sampling), added to the next step's metrics line (what a
+        learner that stops before its next step carried is not written)."""
 
     def start_training(self) -> Intake:
         """Build the trainer and restore it; returns the intake (with the restored ledger) once a

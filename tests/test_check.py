@@ -75,8 +75,10 @@ def test_a_tool_command_that_exits_is_named_with_its_log(travel, tmp_path):
     (travel / "tools.py").write_text("import sys\nprint('the service cannot start', file=sys.stderr)\nsys.exit(3)\n")
     proc = agentrl_check(travel / "config.toml", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout
-    assert "tools[0].command" in proc.stderr and "did not start" in proc.stderr
-    assert "the service cannot start" in proc.stderr or "exited" in proc.stderr
+    assert "tools[0].command" in proc.stderr and "did not start" in proc.stderr and "exited with 3" in proc.stderr
+    assert "the service cannot start" in proc.stderr  # the log's tail is in the message
+    logs = proc.stderr.rsplit("(tool service logs: ", 1)[1].split(")")[0]
+    assert "the service cannot start" in (Path(logs) / "tool-command0-0.log").read_text()  # and the log is kept
 
 
 def test_a_file_missing_from_the_configs_folder_is_named_with_that_folder(travel, tmp_path):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -84,6 +85,20 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
         assert urlparse(learner["group_endpoint"]).hostname == host
         answered = asyncio.run(_send_without_keys(learner["group_endpoint"], make_group("intruder", [1.0, 0.0])))
         assert answered is False, "the learner answered a client without the run's keys"
+        # The token is on no command line of any process (the run's included) while they run, and
+        # only the server and the learners have it in their environment.
+        token = (out / "control_token").read_text().strip()
+        holders = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmdline, environ = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()
+                except (FileNotFoundError, ProcessLookupError, PermissionError):
+                    continue
+                assert token.encode() not in cmdline, cmdline
+                if token.encode() in environ:
+                    holders.append(cmdline.split(b"\0"))
+        assert holders and all(b"learner" in argv or b"vllm" in b" ".join(argv) for argv in holders), holders
         stdout, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:

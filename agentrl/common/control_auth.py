@@ -33,9 +33,20 @@ PUBLIC_PREFIXES = ("/v1/", "/inference/v1/", "/health", "/ping", "/version", "/m
 """Paths anyone who reaches the server may use: generation and read-only probes."""
 
 
+_process_token: str | None = None
+
+
+def use_control_token(token: str | None) -> None:
+    """Send `token` with this process's control requests (a run's provisioned token, which
+    `agentrl train` keeps out of its environment so that only the processes it hands it to have it)."""
+    global _process_token
+    _process_token = token
+
+
 def control_headers() -> dict[str, str]:
-    """The header a weight push sends: the token of this process's environment, if any."""
-    token = os.environ.get(CONTROL_TOKEN_ENV)
+    """The header a weight push sends: this process's token (`use_control_token`), else its
+    environment's, if any."""
+    token = _process_token or os.environ.get(CONTROL_TOKEN_ENV)
     return {CONTROL_TOKEN_HEADER: token} if token else {}
 
 

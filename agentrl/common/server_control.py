@@ -11,8 +11,10 @@ transport, where it names a file on its own (shared) host. The request carries `
 (bytes) and `X-Agentrl-Sha256` (hex digest of the bytes); a body of another length or digest,
 or a client that goes away mid-body, leaves no file and answers 400. A size over
 `AGENTRL_MAX_WEIGHTS_BYTES` (default 64 GiB) or over the free space of the directory answers 413
-before a byte is written. One upload is kept at a time: a new one replaces the last, and
-`DELETE /agentrl/weights` (sent once the server has staged the push) removes it.
+before a byte is written. `DELETE /agentrl/weights?path=P` (sent once the server has staged the
+push, or refused it) removes that upload; any other push's, finished or in progress, stays. What a
+pusher that died before its DELETE left goes with the server's weights directory when the server
+exits.
 
 The path is a control endpoint: the middleware lets it through only with the server's control
 token (or from loopback without one).
@@ -62,18 +64,18 @@ def _json(status: int, body: dict):
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
-def _uploads(directory: Path) -> list[Path]:
-    return sorted(directory.glob(UPLOAD_PREFIX + "*"))
-
-
 async def handle(request):
     """PUT: receive one push (module docstring); DELETE: remove the kept upload."""
     directory = own_weights_dir()
     if request.method == "DELETE":
-        removed = _uploads(directory)
-        for path in removed:
-            path.unlink(missing_ok=True)
-        return _json(200, {"ok": True, "removed": len(removed)})
+        name = request.query_params.get("path", "")
+        path = directory / Path(name).name
+        if not name or Path(name).parent != directory or not path.name.startswith(UPLOAD_PREFIX):
+            return _json(400, {"ok": False, "error": f"DELETE {UPLOAD_PATH}?path=P: P must be an upload of this server "
+                                                     f"({directory}/{UPLOAD_PREFIX}*)"})
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return _json(200, {"ok": True, "removed": int(existed)})
     if request.method != "PUT":
         return _json(405, {"ok": False, "error": f"{request.method} {UPLOAD_PATH}: use PUT (a push) or DELETE"})
     size_text, digest = request.headers.get(SIZE_HEADER, ""), request.headers.get(SHA256_HEADER, "").lower()
@@ -81,8 +83,6 @@ async def handle(request):
         return _json(400, {"ok": False, "error": f"a push needs {SIZE_HEADER} (bytes, > 0) and {SHA256_HEADER} (hex)"})
     size = int(size_text)
     limit = int(os.environ.get(MAX_BYTES_ENV, DEFAULT_MAX_BYTES))
-    for path in _uploads(directory):  # the last push's file is not needed any more: its space counts as free
-        path.unlink(missing_ok=True)
     free = shutil.disk_usage(directory).free
     if size > limit or size > free:
         why = f"over {MAX_BYTES_ENV} = {limit}" if size > limit else f"more than the {free} bytes free in {directory}"

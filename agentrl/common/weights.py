@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import atexit
 import json
+import logging
 import os
 import shutil
 import sys
@@ -57,6 +58,7 @@ import aiohttp
 from agentrl.common.control_auth import SHA256_HEADER, SIZE_HEADER, UPLOAD_PATH, control_headers
 
 SHM_DIR = "/dev/shm"
+log = logging.getLogger(__name__)
 
 
 class WeightPushError(RuntimeError):
@@ -208,10 +210,17 @@ async def upload_weights(session: aiohttp.ClientSession, base_url: str, path: Pa
     return answer["path"]
 
 
-async def _delete(session: aiohttp.ClientSession, url: str) -> None:
-    async with session.delete(url, headers=control_headers()) as resp:
-        if resp.status >= 400:
-            raise WeightPushError(f"DELETE {url} -> HTTP {resp.status}: {(await resp.text())[:500]}")
+async def _delete_upload(session: aiohttp.ClientSession, base_url: str, server_path: str) -> None:
+    """Remove the server's copy of a streamed push. A failure is logged, not raised: the push's own
+    outcome (staged, or the stage's error) is what the caller must see; the copy goes with the
+    server's weights directory at the latest."""
+    url = base_url + UPLOAD_PATH
+    try:
+        async with session.delete(url, params={"path": server_path}, headers=control_headers()) as resp:
+            if resp.status >= 400:
+                log.warning("DELETE %s?path=%s -> HTTP %d: %s", url, server_path, resp.status, (await resp.text())[:300])
+    except (aiohttp.ClientError, TimeoutError) as err:
+        log.warning("DELETE %s?path=%s failed: %s: %s", url, server_path, type(err).__name__, err)
 
 
 async def _rpc(session: aiohttp.ClientSession, base_url: str, method: str, *args: str) -> dict:
@@ -271,7 +280,7 @@ async def push_weights(
                 raise
             finally:
                 if how == "stream":  # staged (read into the worker) or refused: the server's copy can go
-                    await _delete(session, base_url + UPLOAD_PATH)
+                    await _delete_upload(session, base_url, server_path)
             t_pause = time.perf_counter()
             await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true" if recompute_kv else "false"})
             try:
