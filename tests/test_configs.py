@@ -288,3 +288,14 @@ def test_relative_paths_in_a_config_file_are_taken_from_its_folder_and_set_value
     (env_dir / "tools.py").unlink()
     with pytest.raises(ConfigError, match=r"tools\[0\]\.command: no such file 'tools.py' in " + str(env_dir)):
         load_run_config(Path("..") / "env" / "config.toml")
+
+
+def test_only_an_interpreters_script_argument_is_checked_as_a_file(tmp_path):
+    from agentrl.engine.services import check_command
+
+    (tmp_path / "tools.py").write_text("")
+    check_command(["python", "tools.py", "--out=x.py"], "tools[0].command", str(tmp_path))
+    check_command(["bash", "-c", "exec python missing.py"], "tools[0].command", str(tmp_path))
+    check_command(["python", "-m", "my_tools.py"], "tools[0].command", str(tmp_path))
+    with pytest.raises(ConfigError, match=f"tools\\[0\\].command: no such file 'missing.py' in {tmp_path}"):
+        check_command(["python", "missing.py"], "tools[0].command", str(tmp_path))

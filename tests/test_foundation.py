@@ -300,6 +300,18 @@ async def test_a_streamed_body_that_does_not_match_is_refused_and_nothing_is_kep
     assert _uploads() == []
 
 
+async def test_a_delete_removes_only_an_upload_of_that_server(vllm_server, tmp_path):
+    import aiohttp
+
+    other = tmp_path / "upload-not-the-servers.safetensors"
+    other.write_bytes(b"x")
+    async with aiohttp.ClientSession() as session:
+        for path in (str(other), "/etc/passwd", ""):
+            async with session.delete(vllm_server.base_url + "/agentrl/weights", params={"path": path}) as resp:
+                assert resp.status == 400 and "must be an upload of this server" in await resp.text()
+    assert other.exists() and Path("/etc/passwd").exists()
+
+
 def test_push_weights_cli_prints_one_json_line(vllm_server, model_dir):
     out = subprocess.run(
         [sys.executable, "-P", "-m", "agentrl.cli", "push-weights", "--server", vllm_server.base_url,

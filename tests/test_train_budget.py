@@ -290,3 +290,30 @@ async def test_an_sft_phase_without_time_is_skipped_before_a_learner_starts(tmp_
     await supervisor._sft_phase()
     assert "SFT cold start skipped: " in capsys.readouterr().out
     assert supervisor.phases["sft"] == {"skipped": "no time left"} and not supervisor.procs and not calls
+
+
+async def test_a_baseline_on_a_subset_is_never_reused_as_the_sft_or_final_evaluation(tmp_path):
+    """An unchanged policy's evaluation is reused, but only one on the whole held-out set: the
+    16-question Base Tool Call must not stand in for a final evaluation of 64."""
+    from types import SimpleNamespace
+
+    supervisor = Supervisor(TrainConfig(), tmp_path)
+    supervisor.heldout = ["t"] * 64
+
+    async def weight_versions():
+        return {"http://server": 0}
+
+    ran = []
+
+    async def evaluate(tasks, label, env=None):
+        ran.append(label)
+        return {**_summary(label, 10.0), "n": len(tasks)}, []
+
+    supervisor.conn = SimpleNamespace(pool=SimpleNamespace(weight_versions=weight_versions))
+    supervisor._evaluate = evaluate
+    supervisor.evals = [{**_summary("base_tool_call", 50.0), "n": 16, "subset_of": 64}]
+    summary, _ = await supervisor._evaluate_policy("final")
+    assert ran == ["final"] and summary["n"] == 64
+    supervisor.evals = [{**_summary("base_tool_call", 50.0), "n": 64}]  # the whole set: reused
+    summary, trajectories = await supervisor._evaluate_policy("final")
+    assert ran == ["final"] and trajectories is None and summary["repeat_of"] == "base_tool_call"
