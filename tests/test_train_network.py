@@ -86,7 +86,7 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
         answered = asyncio.run(_send_without_keys(learner["group_endpoint"], make_group("intruder", [1.0, 0.0])))
         assert answered is False, "the learner answered a client without the run's keys"
         # The token is on no command line of any process (the run's included) while they run, and
-        # only the server and the learners have it in their environment.
+        # only the server, the learners and their own children have it in their environment.
         token = (out / "control_token").read_text().strip()
         holders = []
         for entry in Path("/proc").iterdir():
@@ -97,8 +97,10 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
                     continue
                 assert token.encode() not in cmdline, cmdline
                 if token.encode() in environ:
-                    holders.append(cmdline.split(b"\0"))
-        assert holders and all(b"learner" in argv or b"vllm" in b" ".join(argv) for argv in holders), holders
+                    holders.append(int(entry.name))
+        assert holders
+        strays = [(pid, _argv(pid)) for pid in holders if _entitled_ancestor(pid) is None]
+        assert not strays, f"processes outside the server and the learners hold the token: {strays}"
         stdout, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -123,6 +125,32 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
     token = token_file.read_text().strip()
     texts = [stdout, *(p.read_text(errors="replace") for p in out.rglob("*") if p.is_file() and p.suffix in (".log", ".toml", ".json", ".jsonl", ".md"))]
     assert not any(token in text for text in texts)
+
+
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return []
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat_text = (Path("/proc") / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    return int(stat_text.rsplit(")", 1)[1].split()[1])
+
+
+def _entitled_ancestor(pid: int) -> int | None:
+    """The vLLM server or learner process that ``pid`` is or descends from (vLLM's engine core and
+    workers are its children and inherit its environment), or None."""
+    while pid > 1:
+        argv = _argv(pid)
+        if b"vllm.entrypoints.openai.api_server" in argv or (b"agentrl.cli" in argv and b"learner" in argv):
+            return pid
+        pid = _parent(pid)
+    return None
 
 
 async def _send_without_keys(endpoint: str, group) -> bool:
