@@ -69,6 +69,7 @@ from mcp.client.stdio import get_default_environment
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.proctable import live_group_members, signal_group
 from agentrl.engine.tools import Tool, ToolResult, ToolUnavailable
 
@@ -92,7 +93,7 @@ class McpStartError(RuntimeError):
     """The MCP server could not be started or connected to (the first connection failed)."""
 
 
-@dataclass
+@config_dataclass
 class McpServerConfig:
     """One MCP server: a command (stdio) or a URL (streamable HTTP), exactly one of them."""
 
@@ -132,17 +133,16 @@ class McpServerConfig:
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
-            raise ValueError("McpServerConfig needs exactly one of `command` (stdio) and `url` (streamable HTTP)")
+            raise ValueError("command: an MCP server needs exactly one of `command` (stdio) and `url` (streamable HTTP)")
         if self.command is not None and not self.command.strip():
-            raise ValueError("McpServerConfig.command is empty")
+            raise ValueError("command: is empty")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"McpServerConfig.url must be an http(s) URL, got {self.url!r}")
-        self.args = tuple(self.args)
+            raise ValueError(f"url: must be an http(s) URL, got {self.url!r}")
         for key in ("start_timeout_s", "call_timeout_s", "close_timeout_s", "restart_initial_delay_s"):
             if getattr(self, key) <= 0:
-                raise ValueError(f"McpServerConfig.{key} must be > 0, got {getattr(self, key)}")
+                raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
         if self.restart_max_delay_s < self.restart_initial_delay_s:
-            raise ValueError("McpServerConfig.restart_max_delay_s must be >= restart_initial_delay_s")
+            raise ValueError("restart_max_delay_s: must be >= restart_initial_delay_s")
         if self.name is None:
             self.name = Path(self.command).name if self.command is not None else self.url
 

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from agentrl.common.config import ConfigError, FilePath, PluginRef, config_dataclass
 from agentrl.engine.env import EnvConfig
+from agentrl.toolservers.sandbox import SandboxConfig
 
 BUILTIN_TOOLS = ("search", "python", "calculator")
 Builtin = Literal["search", "python", "calculator"]
@@ -57,6 +58,9 @@ class ServicesConfig:
     """Longest sequence a vLLM server started here serves, tokens; must hold env.max_total_tokens."""
     max_learner_restarts: int = 3
     """A learner that dies is restarted (it resumes from its checkpoint) at most this many times."""
+    python: SandboxConfig = field(default_factory=SandboxConfig)
+    """The python tool's sandboxes and limits (sandbox count, memory, processes, CPU, timeouts),
+    for the python service started here."""
 
     def __post_init__(self) -> None:
         for url in self.vllm:
@@ -106,7 +110,8 @@ class ToolSource:
     replicas: int = 1
     """Instances of a builtin or command service to start."""
     args: list[str] = field(default_factory=list)
-    """Extra arguments of a builtin service (e.g. ["--workers", "2"])."""
+    """Extra command-line options of a builtin service (`agentrl toolserver NAME --help`, e.g.
+    ["--workers", "2"]); they win over `[services.python]`."""
     cwd: FilePath | None = None
     """The folder a `command` or `mcp` server runs in. Not given: the folder of the config file that
     names the command (its relative file arguments are taken from there), else the working directory."""
@@ -197,7 +202,10 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                 raise ConfigError("the search tool needs a passage corpus, and this task set provides none "
                                   "(the loader's `corpus` option)")
             source = next((t for t in tools if t.builtin == name), None)
-            args = [*(["--corpus", str(corpus)] if name == "search" else []), *(source.args if source else [])]
+            args = [*(["--corpus", str(corpus)] if name == "search" else []),
+                    *(["--config", _write_service_config(logs / "tool-python.toml", "python", config.python)]
+                      if name == "python" else []),
+                    *(source.args if source else [])]
             replicas = source.replicas if source else (config.search_replicas if name == "search" else 1)
             endpoints = []
             for r in range(replicas):
@@ -220,6 +228,14 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
         await asyncio.to_thread(services.stop)
         raise
     return services
+
+
+def _write_service_config(path: Path, table: str, config: Any) -> str:
+    """A built-in service's typed config as the TOML file its `--config` reads."""
+    from agentrl.common.config import dump_toml, to_dict
+
+    path.write_text(dump_toml({table: to_dict(config)}))
+    return str(path)
 
 
 def _start_builtin(name: str, args: list[str], log_path: Path):

@@ -74,15 +74,16 @@ def main(argv: list[str]) -> int:
 
         model_dir = str(resolve_model(args.model))
         max_model_len = args.max_model_len or 4096
+    from agentrl.common.config import ConfigError, from_options
     from agentrl.gateway.server import GatewayConfig
 
     try:  # checked before any server starts
-        config = GatewayConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                               max_model_len=max_model_len, tool_parser=args.tool_parser, renderer=args.renderer,
-                               session_idle_s=args.session_idle_s, max_sessions=args.max_sessions,
-                               render_check_every=args.render_check_every)
-    except ValueError as err:
-        raise SystemExit(f"agentrl gateway: {err}") from err
+        config = from_options(GatewayConfig, "agentrl gateway", host=args.host, port=args.port,
+                              served_model_name=args.served_model_name, max_model_len=max_model_len,
+                              tool_parser=args.tool_parser, renderer=args.renderer, session_idle_s=args.session_idle_s,
+                              max_sessions=args.max_sessions, render_check_every=args.render_check_every)
+    except ConfigError as err:
+        raise SystemExit(str(err)) from err
     server = None
     try:
         if args.vllm:

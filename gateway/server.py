@@ -53,9 +53,11 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.inference import InferenceServerError, InferenceServerUnavailable, SamplingParams
 from agentrl.engine.parsers import TOOL_CALL_PARSERS, cut_action, detect_tool_call_format
 from agentrl.gateway import protocol as P
@@ -71,8 +73,10 @@ _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 _ENCODER = msgspec.json.Encoder()
 
 
-@dataclass
+@config_dataclass
 class GatewayConfig:
+    """The OpenAI-compatible gateway (`agentrl gateway`, and the one `agentrl train` starts for agent commands)."""
+
     host: str = "127.0.0.1"
     port: int = 8100
     """0 picks a free port (the bound URL is printed and returned by `start`)."""
@@ -82,7 +86,7 @@ class GatewayConfig:
     """Prompt + completion limit of the inference servers, tokens."""
     tool_parser: str = "auto"
     """"hermes" | "llama3_json" | "mistral" | "auto" (from the tokenizer's vocabulary)."""
-    renderer: str = "auto"
+    renderer: Literal["auto", "chatml", "template"] = "auto"
     """"chatml" (agentrl's ids-first ChatML/Hermes layout), "template" (the tokenizer's Jinja
     template) or "auto": "template" when the template handles `tools`, else "chatml"."""
     session_idle_s: float = 600.0
@@ -113,13 +117,17 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         if self.tool_parser != "auto" and self.tool_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"GatewayConfig.tool_parser must be 'auto' or one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_parser!r}")
-        if self.renderer not in ("auto", "chatml", "template"):
-            raise ValueError(f"GatewayConfig.renderer must be 'auto', 'chatml' or 'template', got {self.renderer!r}")
-        if self.render_check_every < 0 or (self.gc_threshold0 is not None and self.gc_threshold0 < 1):
-            raise ValueError("GatewayConfig needs render_check_every >= 0 and gc_threshold0 >= 1 (or None)")
-        if self.max_model_len < 2 or self.max_sessions < 1 or self.session_idle_s <= 0 or (self.sweep_interval_s is not None and self.sweep_interval_s <= 0):
-            raise ValueError("GatewayConfig needs max_model_len >= 2, max_sessions >= 1, session_idle_s > 0 and sweep_interval_s > 0")
+            raise ValueError(f"tool_parser: must be 'auto' or one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_parser!r}")
+        if self.render_check_every < 0:
+            raise ValueError(f"render_check_every: must be >= 0, got {self.render_check_every}")
+        if self.gc_threshold0 is not None and self.gc_threshold0 < 1:
+            raise ValueError(f"gc_threshold0: must be >= 1 (or not set), got {self.gc_threshold0}")
+        if self.max_model_len < 2 or self.max_sessions < 1:
+            raise ValueError("max_model_len: needs max_model_len >= 2 and max_sessions >= 1")
+        if self.session_idle_s <= 0 or (self.sweep_interval_s is not None and self.sweep_interval_s <= 0):
+            raise ValueError("session_idle_s: needs session_idle_s > 0 and sweep_interval_s > 0")
+        if not 0 <= self.port <= 65535 or self.max_body_bytes < 1 or self.shutdown_grace_s < 0:
+            raise ValueError("port: needs 0 <= port <= 65535, max_body_bytes >= 1 and shutdown_grace_s >= 0")
 
 
 def template_handles_tools(tokenizer) -> bool:

@@ -299,3 +299,15 @@ def test_only_an_interpreters_script_argument_is_checked_as_a_file(tmp_path):
     check_command(["python", "-m", "my_tools.py"], "tools[0].command", str(tmp_path))
     with pytest.raises(ConfigError, match=f"tools\\[0\\].command: no such file 'missing.py' in {tmp_path}"):
         check_command(["python", "missing.py"], "tools[0].command", str(tmp_path))
+
+
+def test_command_line_options_are_checked_like_a_config_file():
+    from agentrl.common.config import ConfigError, from_options
+    from agentrl.gateway.server import GatewayConfig
+
+    config = from_options(GatewayConfig, "agentrl gateway", port=0, served_model_name=None, renderer="chatml")
+    assert (config.port, config.served_model_name, config.renderer, config.host) == (0, None, "chatml", "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"^agentrl gateway: port: needs 0 <= port <= 65535"):
+        from_options(GatewayConfig, "agentrl gateway", port=70000)
+    with pytest.raises(ConfigError, match=r"agentrl gateway: renderer: .*accepted|agentrl gateway: renderer: Input should be"):
+        from_options(GatewayConfig, "agentrl gateway", renderer="jinja")

@@ -314,3 +314,55 @@ def test_a_sandbox_cpu_quota_never_exceeds_its_parent_cgroups(tmp_path):
     (child / "cpu.cfs_quota_us").write_text("-1\n")
     (child / "cpu.cfs_period_us").write_text("100000\n")
     assert cpu_quota_us(1.0, child) == int(0.76 * CPU_PERIOD_US)
+
+
+def test_a_config_file_sets_the_limits_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "python.toml"
+    config.write_text("[python]\nnum_workers = 3\nmax_output_bytes = 1000\n[server]\nmax_in_flight = 64\n")
+    proc = start_toolserver("python", LOCAL, "--config", str(config), "--workers", "1")
+    try:
+        out = asyncio.run(run(proc.endpoint, "print('x' * 5000)"))
+        assert out["limit"] == "output" and len(out["stdout"]) == 1000, out
+        sandboxes = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        assert len(sandboxes.stdout.split()) == 1  # --workers 1, not the file's 3
+    finally:
+        assert proc.stop(15) == 0
+
+
+@pytest.mark.parametrize("text, says", [
+    ("[python]\nmemory_bytes = \"1G\"\n", "python.memory_bytes: Input should be a valid integer"),
+    ("[python]\nmax_processes = 2\n", "python.max_processes: must be >= 4"),
+    ("[search]\nk1 = 1.0\n", "do not apply to the python service"),
+])
+def test_a_bad_config_file_stops_the_service_naming_the_key(tmp_path, text, says):
+    config = tmp_path / "python.toml"
+    config.write_text(text)
+    res = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "toolserver", "python", "--bind", LOCAL,
+                          "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "READY" not in res.stdout
+    assert str(config) in res.stderr and says in res.stderr, res.stderr
+
+
+def test_a_run_configs_python_table_reaches_the_service_it_starts(tmp_path):
+    from agentrl.common.config import build
+    from agentrl.engine.services import ServicesConfig, start_services
+
+    config = build(ServicesConfig, {"tools": ["python"], "python": {"num_workers": 1, "max_output_bytes": 1000}})
+
+    async def call_it():
+        services = await start_services(config, tools=[], env_required=(), model_dir="", corpus=None,
+                                        logs=tmp_path / "logs", start_vllm=False, say=lambda _: None)
+        try:
+            (service,) = services.remote
+            return await run(service.endpoints[0], "print('x' * 5000)")
+        finally:
+            services.stop()
+
+    out = asyncio.run(call_it())
+    assert out["limit"] == "output" and len(out["stdout"]) == 1000, out
+
+
+def test_a_bad_python_table_in_a_run_config_names_the_key():
+    res = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--print-config",
+                          "--set", "services.python.max_processes=2"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "services.python.max_processes: must be >= 4" in res.stderr, res.stderr

@@ -135,6 +135,5 @@ def serve(functions: Sequence[Callable | Tool], argv: list[str] | None = None) -
     configure_logging(args.log_level)
     tools = [f if isinstance(f, Tool) else FunctionServiceTool(f) for f in functions]
     config = ServerConfig(bind=args.bind)
-    config.validate()
     ToolServer(config, tools).serve()
     return 0

@@ -69,9 +69,9 @@ import signal
 import struct
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from agentrl.common.config import config_dataclass
 from agentrl.toolservers import protocol as P
 from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 
@@ -101,8 +101,11 @@ sys.stdin.read()
 """
 
 
-@dataclass
+@config_dataclass
 class SandboxConfig:
+    """The python tool's sandboxes and their limits (`[python]` of `agentrl toolserver --config`,
+    `[services.python]` of a run config)."""
+
     num_workers: int = 4
     """Sandboxes started ahead of time; calls beyond this many wait in a queue."""
     python: str = "/usr/bin/python3"
@@ -138,7 +141,29 @@ class SandboxConfig:
     """Put each slot in its own cgroup-v1 memory, pids and cpu cgroups (needs them mounted
     read-write). Without them only per-process rlimits bound memory, processes and CPU."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers: must be >= 1, got {self.num_workers}")
+        if not 0 < self.default_timeout_s <= self.max_timeout_s:
+            raise ValueError("default_timeout_s: need 0 < default_timeout_s <= max_timeout_s")
+        if self.max_processes < 4:
+            raise ValueError("max_processes: must be >= 4 (bwrap, the zygote, the spawner and the call)")
+        if self.cpu_cores <= 0:
+            raise ValueError(f"cpu_cores: must be > 0, got {self.cpu_cores}")
+        if self.max_inodes < 16:
+            raise ValueError(f"max_inodes: must be >= 16, got {self.max_inodes}")
+        if self.zygote_memory_bytes > self.memory_bytes:
+            raise ValueError("zygote_memory_bytes: must not exceed memory_bytes (a call's limit)")
+        for name in ("memory_bytes", "max_file_bytes", "tmpfs_bytes", "max_output_bytes", "wedged_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not self.python.startswith("/usr/"):
+            raise ValueError(f"python: {self.python!r} must be an executable under /usr (only /usr is visible "
+                             "inside the sandbox)")
+
+    def check_host(self) -> None:
+        """What only this host can tell: bubblewrap, setpriv and root are there, the interpreter runs,
+        and the cgroups are writable when asked for (RuntimeError or ValueError saying what to fix)."""
         if shutil.which("bwrap") is None:
             raise RuntimeError(
                 "the python tool needs bubblewrap (`bwrap`) and will not run code unsandboxed: "
@@ -153,21 +178,8 @@ class SandboxConfig:
         if shutil.which("setpriv") is None:
             raise RuntimeError("the python tool needs `setpriv` (util-linux) to start each sandbox under "
                                "its unprivileged uid")
-        if not os.access(self.python, os.X_OK) or not self.python.startswith("/usr/"):
-            raise ValueError(f"sandbox interpreter {self.python!r} must be an executable under /usr "
-                             "(only /usr is visible inside the sandbox)")
-        if self.num_workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.num_workers}")
-        if not 0 < self.default_timeout_s <= self.max_timeout_s:
-            raise ValueError("need 0 < default_timeout_s <= max_timeout_s")
-        if self.max_processes < 4:
-            raise ValueError("max_processes must be >= 4 (bwrap, the zygote, the spawner and the call)")
-        if self.cpu_cores <= 0:
-            raise ValueError(f"cpu_cores must be > 0, got {self.cpu_cores}")
-        if self.max_inodes < 16:
-            raise ValueError(f"max_inodes must be >= 16, got {self.max_inodes}")
-        if self.zygote_memory_bytes > self.memory_bytes:
-            raise ValueError("zygote_memory_bytes must not exceed memory_bytes (a call's limit)")
+        if not os.access(self.python, os.X_OK):
+            raise ValueError(f"sandbox interpreter {self.python!r} is not an executable on this host")
         if self.cgroups:
             cgroup_roots()  # raises, naming the controller that is missing
 
@@ -200,8 +212,8 @@ def cgroup_roots() -> dict[str, Path]:
         if controller not in own or not os.access(root, os.W_OK):
             raise RuntimeError(
                 f"cannot create {controller} cgroups (needs root and cgroup v1 {controller} mounted "
-                f"read-write at /sys/fs/cgroup/{controller}); set SandboxConfig.cgroups=False "
-                "(--no-cgroups) to rely on per-process rlimits only, which bound neither the total "
+                f"read-write at /sys/fs/cgroup/{controller}); set cgroups = false "
+                "([services.python] of a run config, or --no-cgroups) to rely on per-process rlimits only, which bound neither the total "
                 "memory nor the total CPU of a call's processes"
             )
         roots[controller] = root
@@ -361,7 +373,7 @@ class PythonTool(Tool):
     )
 
     def __init__(self, config: SandboxConfig):
-        config.validate()
+        config.check_host()
         self.config = config
         # A result holds stdout and stderr of max_output_bytes each; JSON escapes a byte to at most
         # 6 characters ("\ufffd" for an invalid one), plus a few fields.

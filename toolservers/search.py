@@ -24,12 +24,12 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import bm25s
 from bm25s.tokenization import Tokenizer
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.files import iter_jsonl, sha256_update
 from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 
@@ -82,8 +82,10 @@ class BM25Index:
         return results
 
 
-@dataclass
+@config_dataclass
 class SearchConfig:
+    """The search service (`[search]` of `agentrl toolserver --config`)."""
+
     corpus_path: str
     """JSONL file of {"id", "title", "text"} passages."""
     cache_dir: str = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "agentrl", "search")
@@ -95,11 +97,16 @@ class SearchConfig:
     b: float = 0.75
     """BM25 length normalization."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if self.k1 < 0 or not 0 <= self.b <= 1:
+            raise ValueError(f"k1: BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={self.k1}, b={self.b}")
+
+    def check_host(self) -> None:
+        """The corpus file is there (ValueError otherwise)."""
         if not Path(self.corpus_path).is_file():
             raise ValueError(f"corpus {self.corpus_path!r} is not a file (expected JSONL of id/title/text)")
-        if self.num_threads < 1:
-            raise ValueError(f"--workers must be >= 1 for search, got {self.num_threads}")
 
 
 def load_corpus(path: str) -> list[dict]:
@@ -135,7 +142,7 @@ class SearchTool(Tool):
     )
 
     def __init__(self, config: SearchConfig):
-        config.validate()
+        config.check_host()
         self.config = config
         self.index: BM25Index | None = None
         self.cache_hit = False

@@ -51,6 +51,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.curve import (
     ServerKeys,
     curve_server,
@@ -63,9 +64,9 @@ from agentrl.toolservers import protocol as P
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@config_dataclass
 class ServerConfig:
-    """How one tool service listens and bounds its work."""
+    """How one tool service listens and bounds its work (`[server]` of `agentrl toolserver --config`)."""
 
     bind: str = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint to bind. Loopback by default; anything else needs the two curve_* fields."""
@@ -101,17 +102,23 @@ class ServerConfig:
     curve_authorized_clients_dir: str | None = None
     """Directory of zmq.auth public certificates (`*.key`) of the clients allowed to connect."""
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_in_flight", "read_batch", "reply_batch", "sndhwm"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ServerConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_frame_bytes < self.max_request_bytes:
-            raise ValueError(f"max_frame_bytes ({self.max_frame_bytes}) must be >= max_request_bytes "
+            raise ValueError(f"max_frame_bytes: {self.max_frame_bytes} must be >= max_request_bytes "
                              f"({self.max_request_bytes}): a frame holds at least one request")
         if self.max_reply_frame_bytes < 64 << 10:
-            raise ValueError("max_reply_frame_bytes must be >= 65536 (an error reply must always fit)")
+            raise ValueError("max_reply_frame_bytes: must be >= 65536 (an error reply must always fit)")
         if self.max_held_reply_bytes < self.max_reply_frame_bytes:
-            raise ValueError("max_held_reply_bytes must be >= max_reply_frame_bytes")
+            raise ValueError("max_held_reply_bytes: must be >= max_reply_frame_bytes")
+        if self.linger_ms < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("linger_ms: linger_ms and shutdown_grace_s must be >= 0")
+
+    def check_host(self) -> None:
+        """What only this host can tell: the CurveZMQ key files exist and hold keys, and a bind off
+        loopback has them (ValueError naming the option)."""
         require_curve_off_loopback(
             self.bind, self.curve_keys(), key="--bind", why="tool services run code and read data on request",
             how="pass --curve-secret-key keys/server.key_secret --curve-authorized-clients DIR_WITH_CLIENT_KEYS")
@@ -274,7 +281,7 @@ class _PeerQueue:
 
 class ToolServer:
     def __init__(self, config: ServerConfig, tools: list[Tool]):
-        config.validate()
+        config.check_host()
         self.config = config
         self.tools = {t.spec.name: t for t in tools}
         if len(self.tools) != len(tools):

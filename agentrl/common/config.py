@@ -140,6 +140,12 @@ def build(cls: type, data: dict, *, origins: Origins | None = None, default_sour
         raise ConfigError(format_errors(cls, err, origins or {}, default_source, prefix)) from None
 
 
+def from_options(cls: type, source: str, /, **values: Any) -> Any:
+    """`cls` from a command line's options, checked as strictly as a config file: a None value is
+    an option not given (the field keeps its default); errors start with `source` (the program)."""
+    return build(cls, {key: value for key, value in values.items() if value is not None}, default_source=source)
+
+
 def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, default_source: str,
                   prefix: KeyPath = ()) -> str:
     """One line per bad key: `source: key.path: what is wrong (got value)[; accepted: ...]`."""

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentrl.common.config import config_dataclass
 from agentrl.common.files import iter_jsonl
 from agentrl.engine.task import Task
 
@@ -53,7 +54,7 @@ def qa_task(task_id: str, question: str, answers: tuple[str, ...] | list[str], *
                           "supporting_facts": list(supporting_facts)})
 
 
-@dataclass
+@config_dataclass
 class SyntheticQAConfig:
     seed: int = 0
     """Seed of the world and of the question sampling."""
@@ -67,11 +68,11 @@ class SyntheticQAConfig:
 
     def __post_init__(self) -> None:
         if self.num_companies < 2 or self.num_cities < 2 or self.num_countries < 1:
-            raise ValueError("SyntheticQAConfig needs num_companies >= 2, num_cities >= 2, num_countries >= 1")
+            raise ValueError("num_companies: needs num_companies >= 2, num_cities >= 2, num_countries >= 1")
         if not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError(f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+            raise ValueError(f"heldout_fraction: must be in (0, 1), got {self.heldout_fraction}")
         if self.products_per_company < 1:
-            raise ValueError("products_per_company must be >= 1 (4-hop questions start at a product)")
+            raise ValueError("products_per_company: must be >= 1 (4-hop questions start at a product)")
 
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st", "t", "tr", "v", "z", "th", "h", "c"]
