@@ -132,13 +132,14 @@ class EvalConfig:
 @config_dataclass
 class NetworkConfig:
     host: str = "127.0.0.1"
-    """The address this run's learners and vLLM server bind. Loopback (the default) keeps them on
-    this host. Any other address (one other hosts reach) makes the run provision their credentials
-    under RUN_DIR, each file 0600, kept across --resume: CurveZMQ keys for the learners' sockets
-    (RUN_DIR/curve/, unless [learner] names its own) and a control token for the server's weight
-    endpoints (RUN_DIR/control_token, unless AGENTRL_CONTROL_TOKEN is set); the processes get them
-    from files and the environment, never on a command line. The built-in tool services and your
-    `[[tools]] command` services stay on loopback."""
+    """The address this run's learners, vLLM server and the tool services it starts bind. Loopback
+    (the default) keeps them on this host. Any other address (one other hosts reach) makes the run
+    provision their credentials under RUN_DIR, each secret 0600, kept across --resume: CurveZMQ keys
+    for the learners' sockets (RUN_DIR/curve/, unless [learner] names its own) and for the tool
+    services (the built-in ones and `[[tools]] command` services, whose "{bind}" is then on this
+    address), and a control token for the server's weight endpoints (RUN_DIR/control_token, unless
+    AGENTRL_CONTROL_TOKEN is set); the processes get them from files and the environment, never on
+    a command line."""
 
     def __post_init__(self) -> None:
         import ipaddress

@@ -30,10 +30,11 @@ default, then --config, then each --set; `--help` lists every key). Phases:
    plots and the time each phase took, and one JSON line last. Opt-in diagnostics after the budget:
    `eval.without_tools`, `eval.transfer`.
 
-The learners bind their sockets on loopback. CurveZMQ keys in `[learner]` (curve_secret_key_file,
-curve_authorized_clients_dir) switch it on for them; the supervisor then makes a client certificate
-for its actor and SFT stream in RUN_DIR/curve/ (`Supervisor._learner_curve`). Without keys it makes
-and passes none.
+The learners, the vLLM server and the tool services bind `[network] host` (loopback by default).
+CurveZMQ keys in `[learner]` (curve_secret_key_file, curve_authorized_clients_dir) switch it on for
+the learners; the supervisor then makes a client certificate for its actor and SFT stream in
+RUN_DIR/curve/ (`Supervisor._learner_curve`). Off loopback it makes the learners' and the tool
+services' certificates too (`_tool_keys`) and a control token; on loopback without keys, none.
 
 Every process the supervisor starts is stopped by PID (SIGTERM, then SIGKILL of its process
 group) at the end, on Ctrl-C, and when anything fails.
@@ -82,6 +83,19 @@ RUN_CLIENT = "agentrl-run"
 """Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
 RUN_LEARNER = "agentrl-run-learner"
 """Name of the learners' server certificate a run makes off loopback when [learner] names none."""
+RUN_TOOLS = "agentrl-run-tools"
+"""Name of the certificate of the tool services a run starts off loopback (`_tool_keys`)."""
+
+
+def _certificate(folder: Path, name: str) -> Path:
+    """folder/NAME.key_secret (0600) and its public half NAME.key, made once (kept across --resume)."""
+    import zmq.auth
+
+    secret = folder / f"{name}.key_secret"
+    if not secret.exists():
+        zmq.auth.create_certificates(folder, name)
+        secret.chmod(0o600)  # create_certificates leaves it to the umask
+    return secret
 
 
 def _agentrl(*args: str) -> list[str]:
@@ -206,7 +220,8 @@ class Supervisor:
         self.control_token = self._provision_control_token()
         self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
                                              model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
-                                             say=self.say, host=cfg.network.host, control_token=self.control_token)
+                                             say=self.say, host=cfg.network.host, control_token=self.control_token,
+                                             tool_keys=self._tool_keys())
 
     def _provision_control_token(self) -> str | None:
         """Off loopback, the vLLM server's weight endpoints need a token (common/control_auth.py): the
@@ -271,12 +286,8 @@ class Supervisor:
         if keys is None and is_loopback(self.config.network.host):
             self._curve = ({}, {})
             return self._curve
-        folder = self.out / "curve"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        client_secret = folder / f"{RUN_CLIENT}.key_secret"
-        if not client_secret.exists():
-            zmq.auth.create_certificates(folder, RUN_CLIENT)
-            client_secret.chmod(0o600)  # create_certificates leaves it to the umask
+        folder = self._curve_folder()
+        client_secret = _certificate(folder, RUN_CLIENT)
         if keys is not None:
             given = sorted(Path(keys.authorized_clients_dir).glob("*.key"))
             if any(cert.name == f"{RUN_CLIENT}.key" for cert in given):
@@ -285,10 +296,7 @@ class Supervisor:
             server_public_key, learner_keys = keys.public_key, {}
         else:
             given = []
-            server_secret = folder / f"{RUN_LEARNER}.key_secret"
-            if not server_secret.exists():
-                zmq.auth.create_certificates(folder, RUN_LEARNER)
-                server_secret.chmod(0o600)
+            server_secret = _certificate(folder, RUN_LEARNER)
             server_public_key, _ = zmq.auth.load_certificate(server_secret)
             learner_keys = {"curve_secret_key_file": str(server_secret)}
         clients = folder / "clients"
@@ -301,6 +309,30 @@ class Supervisor:
         self._curve = ({**learner_keys, "curve_authorized_clients_dir": str(clients)},
                        {"curve_server_key": str(server_public), "curve_client_key": str(client_secret)})
         return self._curve
+
+    def _curve_folder(self) -> Path:
+        folder = self.out / "curve"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder
+
+    def _tool_keys(self):
+        """Off loopback (`[network] host`): the CurveZMQ certificates of the tool services the run
+        starts (RUN_DIR/curve/agentrl-run-tools.key_secret, kept across --resume), which admit only
+        the run's own client certificate (RUN_DIR/curve/tool-clients/); None on loopback."""
+        from agentrl.common.control_auth import is_loopback
+        from agentrl.engine.services import ToolServiceKeys
+
+        if is_loopback(self.config.network.host):
+            return None
+        folder = self._curve_folder()
+        client_secret = _certificate(folder, RUN_CLIENT)
+        server_secret = _certificate(folder, RUN_TOOLS)
+        clients = folder / "tool-clients"
+        shutil.rmtree(clients, ignore_errors=True)
+        clients.mkdir()
+        shutil.copyfile(folder / f"{RUN_CLIENT}.key", clients / f"{RUN_CLIENT}.key")
+        return ToolServiceKeys(server_secret=str(server_secret), authorized_clients=str(clients),
+                               server_public=str(folder / f"{RUN_TOOLS}.key"), client_secret=str(client_secret))
 
     def _learner_config(self, phase: str, overrides: dict) -> tuple[Path, dict]:
         data = {

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from agentrl.common.config import ConfigError, FilePath, PluginRef, config_dataclass
 from agentrl.engine.env import EnvConfig
+from agentrl.toolservers.functions import CURVE_AUTHORIZED_CLIENTS_ENV, CURVE_SECRET_KEY_ENV
 from agentrl.toolservers.sandbox import SandboxConfig
 
 BUILTIN_TOOLS = ("search", "python", "calculator")
@@ -87,8 +89,11 @@ class ToolSource:
     """A built-in tool service, started by the run."""
     command: list[str] | None = None
     """Your own tool service, started by the run from this argv (run with this Python: a first
-    element "python" is this interpreter); "{bind}" is replaced by a free loopback endpoint. It
-    must print `READY <endpoint>` (agentrl.toolservers.functions.serve does) and stop on SIGTERM."""
+    element "python" is this interpreter); "{bind}" is replaced by a free endpoint on the run's
+    `network.host` (loopback by default; off loopback the service gets CurveZMQ certificate files
+    in AGENTRL_CURVE_SECRET_KEY / AGENTRL_CURVE_AUTHORIZED_CLIENTS, which
+    agentrl.toolservers.functions.serve uses). It must print `READY <endpoint>` (serve does) and
+    stop on SIGTERM."""
     endpoints: list[str] | None = None
     """A running service elsewhere: its replicas' endpoints (tcp://HOST:PORT)."""
     curve_server_key: FilePath | None = None
@@ -141,6 +146,17 @@ class RemoteService:
     curve_client_key: str | None = None
 
 
+@dataclass(frozen=True)
+class ToolServiceKeys:
+    """CurveZMQ certificate files of the tool services a run starts off loopback: the services'
+    own (`server_secret`) and the folder of the clients they admit, and the client side's pair."""
+
+    server_secret: str
+    authorized_clients: str
+    server_public: str
+    client_secret: str
+
+
 @dataclass
 class Services:
     """The running services a run connects to, and the processes started for them."""
@@ -171,13 +187,21 @@ def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: 
 
 async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
                          model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True,
-                         host: str = "127.0.0.1", control_token: str | None = None) -> Services:
+                         host: str = "127.0.0.1", control_token: str | None = None,
+                         tool_keys: ToolServiceKeys | None = None) -> Services:
     """Start the tool services and (unless `start_vllm` is False: `agentrl check`) the vLLM server
-    the config does not point at, the server bound to `host` (off loopback it needs a control
-    token: `control_token`, else AGENTRL_CONTROL_TOKEN in this environment). On failure every process
-    started so far is stopped before the error propagates."""
+    the config does not point at, all bound to `host`. Off loopback the vLLM server needs a control
+    token (`control_token`, else AGENTRL_CONTROL_TOKEN in this environment) and the tool services
+    CurveZMQ certificates (`tool_keys`): built-in services get them as options, `[[tools]] command`
+    services in CURVE_SECRET_KEY_ENV / CURVE_AUTHORIZED_CLIENTS_ENV, and the clients the client
+    side's pair. On failure every process started so far is stopped before the error propagates."""
+    from agentrl.common.control_auth import is_loopback
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
+    if not is_loopback(host) and tool_keys is None:
+        raise ConfigError(f"network.host = {host!r}: tool services bound off loopback need CurveZMQ certificates "
+                          "(`agentrl train` makes them under RUN_DIR/curve/)")
+    curve = ToolCurve(host, tool_keys)
     logs.mkdir(parents=True, exist_ok=True)
     services = Services(vllm_urls=list(config.vllm), local=[t for t in tools if t.function or t.mcp or t.mcp_url])
     try:
@@ -186,11 +210,11 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                 endpoints = []
                 for r in range(source.replicas):
                     proc = await asyncio.to_thread(_start_command, source.command, logs / f"tool-command{i}-{r}.log",
-                                                   f"tools[{i}]", source.cwd)
+                                                   f"tools[{i}]", source.cwd, curve)
                     services.procs.append(proc)
                     endpoints.append(proc.endpoint)
                     say(f"tool service tools[{i}] #{r}: {proc.endpoint} (pid {proc.pid})")
-                services.remote.append(RemoteService(f"tools[{i}]", endpoints))
+                services.remote.append(curve.remote(f"tools[{i}]", endpoints))
             elif source.endpoints is not None:
                 services.remote.append(RemoteService(f"tools[{i}]", list(source.endpoints), source.curve_server_key,
                                                      source.curve_client_key))
@@ -209,11 +233,11 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             replicas = source.replicas if source else (config.search_replicas if name == "search" else 1)
             endpoints = []
             for r in range(replicas):
-                proc = await asyncio.to_thread(_start_builtin, name, args, logs / f"tool-{name}-{r}.log")
+                proc = await asyncio.to_thread(_start_builtin, name, args, logs / f"tool-{name}-{r}.log", curve)
                 services.procs.append(proc)
                 endpoints.append(proc.endpoint)
                 say(f"tool service {name} #{r}: {proc.endpoint} (pid {proc.pid})")
-            services.remote.append(RemoteService(name, endpoints))
+            services.remote.append(curve.remote(name, endpoints))
         if not services.vllm_urls and start_vllm:
             server = VLLMServer(
                 VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
@@ -238,24 +262,55 @@ def _write_service_config(path: Path, table: str, config: Any) -> str:
     return str(path)
 
 
-def _start_builtin(name: str, args: list[str], log_path: Path):
+@dataclass(frozen=True)
+class ToolCurve:
+    """Where the tool services started here bind, and the certificates they and their clients use."""
+
+    host: str
+    keys: ToolServiceKeys | None
+
+    def bind(self) -> str:
+        from agentrl.engine.serve import free_port
+
+        return f"tcp://{self.host}:{free_port(self.host)}"
+
+    def server_options(self) -> list[str]:
+        """The options of `agentrl toolserver` that switch CurveZMQ on ([] without keys)."""
+        if self.keys is None:
+            return []
+        return ["--curve-secret-key", self.keys.server_secret, "--curve-authorized-clients", self.keys.authorized_clients]
+
+    def server_env(self) -> dict[str, str] | None:
+        """The environment of a command service: this one's, and the certificate files' paths."""
+        if self.keys is None:
+            return None
+        return {**os.environ, CURVE_SECRET_KEY_ENV: self.keys.server_secret,
+                CURVE_AUTHORIZED_CLIENTS_ENV: self.keys.authorized_clients}
+
+    def remote(self, name: str, endpoints: list[str]) -> RemoteService:
+        if self.keys is None:
+            return RemoteService(name, endpoints)
+        return RemoteService(name, endpoints, self.keys.server_public, self.keys.client_secret)
+
+
+def _start_builtin(name: str, args: list[str], log_path: Path, curve: ToolCurve):
     from agentrl.toolservers.process import start_toolserver
 
-    return start_toolserver(name, "tcp://127.0.0.1:*", *args, log_path=str(log_path))
+    return start_toolserver(name, f"tcp://{curve.host}:*", *curve.server_options(), *args, log_path=str(log_path))
 
 
 class ToolCommandError(ConfigError):
     """A user tool service that could not start (it exited, or printed no READY line)."""
 
 
-def _start_command(command: list[str], log_path: Path, key: str, cwd: str | None = None):
+def _start_command(command: list[str], log_path: Path, key: str, cwd: str | None = None,
+                   curve: ToolCurve = ToolCurve("127.0.0.1", None)):
     from agentrl.common.procs import ChildStartError
-    from agentrl.engine.serve import free_port
     from agentrl.toolservers.process import ToolServerProcess
 
     check_command(command, f"{key}.command", cwd, ToolCommandError)
-    argv = [find_program(command[0], cwd), *(part.replace("{bind}", f"tcp://127.0.0.1:{free_port()}") for part in command[1:])]
-    proc = ToolServerProcess(key, argv, log_path=str(log_path), cwd=cwd).start()
+    argv = [find_program(command[0], cwd), *(part.replace("{bind}", curve.bind()) for part in command[1:])]
+    proc = ToolServerProcess(key, argv, log_path=str(log_path), cwd=cwd, env=curve.server_env()).start()
     try:
         proc.endpoint = proc.wait_for_line("READY ", 120.0).split(" ", 1)[1]
     except ChildStartError as err:

@@ -111,13 +111,17 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
 
     # The credentials: made by the run, 0600, in a 0700 folder.
     token_file = out / "control_token"
-    for path in (token_file, out / "curve" / "agentrl-run-learner.key_secret", out / "curve" / "agentrl-run.key_secret"):
+    for path in (token_file, out / "curve" / "agentrl-run-learner.key_secret", out / "curve" / "agentrl-run.key_secret",
+                 out / "curve" / "agentrl-run-tools.key_secret"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE((out / "curve").stat().st_mode) == 0o700
     assert learner["curve_secret_key_file"] == str(out / "curve" / "agentrl-run-learner.key_secret")
     # The server bound the routable address and the pushes streamed to it.
     actor = tomllib.loads((out / "actor.toml").read_text())
     assert all(urlparse(url).hostname == host for url in actor["vllm"])
+    # So did the tool services, with the run's certificates.
+    assert actor["remote_tools"] and all(urlparse(e).hostname == host for s in actor["remote_tools"] for e in s["endpoints"])
+    assert all(s["curve_server_key"] == str(out / "curve" / "agentrl-run-tools.key") for s in actor["remote_tools"])
     pushes = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     transports = {t for p in pushes for t in p.get("publish/last_transports", [])}
     assert transports == {"stream"}, transports

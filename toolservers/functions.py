@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import re
 import sys
 import types
@@ -125,15 +126,28 @@ class FunctionServiceTool(Tool):
             raise ToolFailure(f"{type(err).__name__}: {err}") from err
 
 
+CURVE_SECRET_KEY_ENV = "AGENTRL_CURVE_SECRET_KEY"
+CURVE_AUTHORIZED_CLIENTS_ENV = "AGENTRL_CURVE_AUTHORIZED_CLIENTS"
+"""The certificate files a run hands a `[[tools]] command` service it starts off loopback
+(engine/services.py sets them; the options below default to them)."""
+
+
 def serve(functions: Sequence[Callable | Tool], argv: list[str] | None = None) -> int:
     """Host `functions` as one tool service: `--bind ENDPOINT` (default tcp://127.0.0.1:* = a free
-    port), `--log-level`; prints `READY <endpoint>` on stdout; stops on SIGTERM."""
+    port), `--log-level`, and off loopback `--curve-secret-key` / `--curve-authorized-clients`
+    (default: the files `agentrl train` names in AGENTRL_CURVE_SECRET_KEY /
+    AGENTRL_CURVE_AUTHORIZED_CLIENTS); prints `READY <endpoint>` on stdout; stops on SIGTERM."""
     parser = argparse.ArgumentParser(description="A tool service hosting Python functions.")
     parser.add_argument("--bind", default="tcp://127.0.0.1:*")
+    parser.add_argument("--curve-secret-key", default=os.environ.get(CURVE_SECRET_KEY_ENV),
+                        help="this service's zmq.auth NAME.key_secret (needed off loopback)")
+    parser.add_argument("--curve-authorized-clients", default=os.environ.get(CURVE_AUTHORIZED_CLIENTS_ENV),
+                        help="folder of the allowed clients' zmq.auth *.key files")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level)
     tools = [f if isinstance(f, Tool) else FunctionServiceTool(f) for f in functions]
-    config = ServerConfig(bind=args.bind)
+    config = ServerConfig(bind=args.bind, curve_secret_key_file=args.curve_secret_key,
+                          curve_authorized_clients_dir=args.curve_authorized_clients)
     ToolServer(config, tools).serve()
     return 0
