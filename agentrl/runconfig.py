@@ -191,7 +191,7 @@ class TrainConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """The RL learner; the supervisor fills in its output_dir, endpoints and servers."""
     tools: list[ToolSource] = field(default_factory=list)
-    """[[tools]]: tools added to those the environment requires (engine/services.py)."""
+    """Tools added to those the environment requires (engine/services.py)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """[agent]: train an agent program (an `entry` function or a `command`) through the gateway
     instead of the native episode loop (engine/agent.py); empty: native episodes."""

@@ -28,7 +28,9 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Tag
 
 from agentrl.common.config import ConfigError, FilePath, PluginRef, config_dataclass
 from agentrl.engine.env import EnvConfig
@@ -82,58 +84,120 @@ def _check_endpoint(endpoint: str, key: str) -> None:
 
 
 @config_dataclass
-class ToolSource:
-    """One `[[tools]]` entry: exactly one of builtin, command, endpoints, function, mcp, mcp_url."""
-
-    builtin: Builtin | None = None
+class BuiltinSource:
     """A built-in tool service, started by the run."""
-    command: list[str] | None = None
-    """Your own tool service, started by the run from this argv (run with this Python: a first
-    element "python" is this interpreter); "{bind}" is replaced by a free endpoint on the run's
-    `network.host` (loopback by default; off loopback the service gets CurveZMQ certificate files
-    in AGENTRL_CURVE_SECRET_KEY / AGENTRL_CURVE_AUTHORIZED_CLIENTS, which
-    agentrl.toolservers.functions.serve uses). It must print `READY <endpoint>` (serve does) and
-    stop on SIGTERM."""
-    endpoints: list[str] | None = None
-    """A running service elsewhere: its replicas' endpoints (tcp://HOST:PORT)."""
-    curve_server_key: FilePath | None = None
-    """With `endpoints` off loopback: the server's zmq.auth public key file (NAME.key)."""
-    curve_client_key: FilePath | None = None
-    """With `endpoints` off loopback: this client's zmq.auth secret key file (NAME.key_secret)."""
-    function: PluginRef | None = None
-    """An in-process Python function, "package.module:function"."""
-    name: str | None = None
-    """The function tool's name (default: the function's)."""
-    description: str | None = None
-    """The function tool's description (default: its docstring's first paragraph)."""
-    parameters: dict[str, Any] | None = None
-    """The function tool's argument schema (default: from its type hints and docstring)."""
-    mcp: list[str] | None = None
-    """An MCP server over stdio: its command and arguments, started by the run."""
-    mcp_url: str | None = None
-    """An MCP server over streamable HTTP: its URL."""
+
+    builtin: Builtin
+    """Which one."""
     replicas: int = 1
-    """Instances of a builtin or command service to start."""
+    """Instances to start."""
     args: list[str] = field(default_factory=list)
-    """Extra command-line options of a builtin service (`agentrl toolserver NAME --help`, e.g.
+    """Extra command-line options of the service (`agentrl toolserver NAME --help`, e.g.
     ["--workers", "2"]); they win over `[services.python]`."""
-    cwd: FilePath | None = None
-    """The folder a `command` or `mcp` server runs in. Not given: the folder of the config file that
-    names the command (its relative file arguments are taken from there), else the working directory."""
 
     def __post_init__(self) -> None:
-        given = [k for k in ("builtin", "command", "endpoints", "function", "mcp", "mcp_url") if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError(f"builtin: a [[tools]] entry names exactly one of builtin, command, endpoints, function, "
-                             f"mcp, mcp_url; this one has {given or 'none'}")
-        for endpoint in self.endpoints or []:
-            _check_endpoint(endpoint, "endpoints")
-        if (self.curve_server_key is None) != (self.curve_client_key is None):
-            raise ValueError("curve_server_key: CurveZMQ needs both curve_server_key and curve_client_key")
-        if self.command is not None and not self.command:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: {self.replicas} must be >= 1")
+
+
+@config_dataclass
+class CommandSource:
+    """Your own tool service, started by the run from a command."""
+
+    command: list[str]
+    """Its argv (run with this Python: a first element "python" is this interpreter); "{bind}" is
+    replaced by a free endpoint on the run's `network.host` (loopback by default; off loopback the
+    service gets CurveZMQ certificate files in AGENTRL_CURVE_SECRET_KEY /
+    AGENTRL_CURVE_AUTHORIZED_CLIENTS, which agentrl.toolservers.functions.serve uses). It must print
+    `READY <endpoint>` (serve does) and stop on SIGTERM."""
+    replicas: int = 1
+    """Instances to start."""
+    cwd: FilePath | None = None
+    """The folder it runs in. Not given: the folder of the config file that names the command (its
+    relative file arguments are taken from there), else the working directory."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
             raise ValueError("command: an empty command")
         if self.replicas < 1:
             raise ValueError(f"replicas: {self.replicas} must be >= 1")
+
+
+@config_dataclass
+class EndpointsSource:
+    """A running tool service elsewhere."""
+
+    endpoints: list[str]
+    """Its replicas' endpoints (tcp://HOST:PORT)."""
+    curve_server_key: FilePath | None = None
+    """Off loopback: the server's zmq.auth public key file (NAME.key)."""
+    curve_client_key: FilePath | None = None
+    """Off loopback: this client's zmq.auth secret key file (NAME.key_secret)."""
+
+    def __post_init__(self) -> None:
+        for endpoint in self.endpoints:
+            _check_endpoint(endpoint, "endpoints")
+        if (self.curve_server_key is None) != (self.curve_client_key is None):
+            raise ValueError("curve_server_key: CurveZMQ needs both curve_server_key and curve_client_key")
+
+
+@config_dataclass
+class FunctionSource:
+    """An in-process Python function as a tool."""
+
+    function: PluginRef
+    """"package.module:function" or "path/file.py:function"."""
+    name: str | None = None
+    """The tool's name (default: the function's)."""
+    description: str | None = None
+    """The tool's description (default: its docstring's first paragraph)."""
+    parameters: dict[str, Any] | None = None
+    """The tool's argument schema (default: from its type hints and docstring)."""
+
+
+@config_dataclass
+class McpSource:
+    """An MCP server over stdio, started by the run."""
+
+    mcp: list[str]
+    """Its command and arguments."""
+    cwd: FilePath | None = None
+    """The folder it runs in (default as for `command`)."""
+
+    def __post_init__(self) -> None:
+        if not self.mcp:
+            raise ValueError("mcp: an empty command")
+
+
+@config_dataclass
+class McpUrlSource:
+    """An MCP server over streamable HTTP."""
+
+    mcp_url: str
+    """Its URL."""
+
+
+TOOL_SOURCES: dict[str, type] = {"builtin": BuiltinSource, "command": CommandSource, "endpoints": EndpointsSource,
+                                 "function": FunctionSource, "mcp": McpSource, "mcp_url": McpUrlSource}
+"""The kinds of `[[tools]]` entry, by the key that says which kind an entry is."""
+
+
+def _tool_source_kind(value: Any) -> str | None:
+    """The kind of a `[[tools]]` table (the one kind key it has) or instance; None when unclear."""
+    if isinstance(value, dict):
+        present = [key for key in TOOL_SOURCES if key in value]
+        return present[0] if len(present) == 1 else None
+    return next((key for key, cls in TOOL_SOURCES.items() if isinstance(value, cls)), None)
+
+
+ToolSource = Annotated[
+    Union[tuple(Annotated[cls, Tag(key)] for key, cls in TOOL_SOURCES.items())],  # noqa: UP007 - built from a tuple
+    Discriminator(_tool_source_kind, custom_error_type="tool_source",
+                  custom_error_message=f"a [[tools]] entry names exactly one of {', '.join(TOOL_SOURCES)}"),
+]
+"""One `[[tools]]` entry: a tagged union whose tag is the one kind key the table has."""
+LOCAL_SOURCES = (FunctionSource, McpSource, McpUrlSource)
+"""The kinds built in each process that connects (not services started here)."""
 
 
 @config_dataclass
@@ -178,7 +242,7 @@ class Services:
 
 def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: list[ToolSource]) -> list[str]:
     """The built-in services to start, in a stable order, each once."""
-    wanted = {*env_required, *config.tools, *(t.builtin for t in tools if t.builtin)}
+    wanted = {*env_required, *config.tools, *(t.builtin for t in tools if isinstance(t, BuiltinSource))}
     unknown = sorted(wanted - set(BUILTIN_TOOLS))
     if unknown:
         raise ConfigError(f"env.class requires tool service(s) {unknown}, which are not built in ({', '.join(BUILTIN_TOOLS)})")
@@ -203,10 +267,10 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                           "(`agentrl train` makes them under RUN_DIR/curve/)")
     curve = ToolCurve(host, tool_keys)
     logs.mkdir(parents=True, exist_ok=True)
-    services = Services(vllm_urls=list(config.vllm), local=[t for t in tools if t.function or t.mcp or t.mcp_url])
+    services = Services(vllm_urls=list(config.vllm), local=[t for t in tools if isinstance(t, LOCAL_SOURCES)])
     try:
         for i, source in enumerate(tools):  # user services first: a broken one stops the run before vLLM starts
-            if source.command is not None:
+            if isinstance(source, CommandSource):
                 endpoints = []
                 for r in range(source.replicas):
                     proc = await asyncio.to_thread(_start_command, source.command, logs / f"tool-command{i}-{r}.log",
@@ -215,7 +279,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                     endpoints.append(proc.endpoint)
                     say(f"tool service tools[{i}] #{r}: {proc.endpoint} (pid {proc.pid})")
                 services.remote.append(curve.remote(f"tools[{i}]", endpoints))
-            elif source.endpoints is not None:
+            elif isinstance(source, EndpointsSource):
                 services.remote.append(RemoteService(f"tools[{i}]", list(source.endpoints), source.curve_server_key,
                                                      source.curve_client_key))
         if config.tool_endpoints:
@@ -225,7 +289,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             if name == "search" and corpus is None:
                 raise ConfigError("the search tool needs a passage corpus, and this task set provides none "
                                   "(the loader's `corpus` option)")
-            source = next((t for t in tools if t.builtin == name), None)
+            source = next((t for t in tools if isinstance(t, BuiltinSource) and t.builtin == name), None)
             args = [*(["--corpus", str(corpus)] if name == "search" else []),
                     *(["--config", _write_service_config(logs / "tool-python.toml", "python", config.python)]
                       if name == "python" else []),
@@ -330,7 +394,7 @@ async def group_tool_endpoints(endpoints: list[str]) -> dict[str, list[str]]:
     return grouped
 
 
-def function_tool(source: ToolSource, key: str):
+def function_tool(source: FunctionSource, key: str):
     """The in-process tool of a `function` entry (ConfigError naming `key` when it cannot be had)."""
     from agentrl.engine.plugins import resolve
     from agentrl.engine.tools import FunctionTool
@@ -364,11 +428,12 @@ def check_tool_sources(tools: list[ToolSource]) -> None:
     """What can be checked before anything starts: functions import and have a schema, commands
     name a program that exists."""
     for i, source in enumerate(tools):
-        if source.function is not None:
+        if isinstance(source, FunctionSource):
             function_tool(source, f"tools[{i}]")
-        for key, argv in (("command", source.command), ("mcp", source.mcp)):
-            if argv:
-                check_command(argv, f"tools[{i}].{key}", source.cwd)
+        elif isinstance(source, CommandSource):
+            check_command(source.command, f"tools[{i}].command", source.cwd)
+        elif isinstance(source, McpSource):
+            check_command(source.mcp, f"tools[{i}].mcp", source.cwd)
 
 
 INTERPRETERS = ("python", "python3", "bash", "sh")
@@ -418,7 +483,7 @@ class Connections:
                 client = await self._stack.enter_async_context(ToolClient(service.endpoints, **_curve(service)))
                 self.tools += await remote_tools(client)
             for i, source in enumerate(self.local):
-                if source.function is not None:
+                if isinstance(source, FunctionSource):
                     self.tools.append(function_tool(source, f"tools[{i}]"))
                 else:
                     self.tools += await self._mcp_tools(source, f"tools[{i}]")
@@ -429,11 +494,11 @@ class Connections:
             raise
         return self
 
-    async def _mcp_tools(self, source: ToolSource, key: str) -> list:
+    async def _mcp_tools(self, source: McpSource | McpUrlSource, key: str) -> list:
         """The tools of an MCP server (its stdio child started and owned here, stopped on exit)."""
         from agentrl.engine.mcp import McpServer, McpServerConfig, McpStartError
 
-        if source.mcp is not None:
+        if isinstance(source, McpSource):
             config = McpServerConfig(command=find_program(source.mcp[0], source.cwd) or source.mcp[0], args=tuple(source.mcp[1:]),
                                      name=key, cwd=source.cwd)
         else:
@@ -441,7 +506,7 @@ class Connections:
         try:
             server = await self._stack.enter_async_context(McpServer(config))
         except McpStartError as err:
-            raise ConfigError(f"{key}.{'mcp' if source.mcp else 'mcp_url'}: the MCP server did not start: {err}") from None
+            raise ConfigError(f"{key}.{'mcp' if isinstance(source, McpSource) else 'mcp_url'}: the MCP server did not start: {err}") from None
         self.mcp_servers.append(server)
         return list(server.tools)
 

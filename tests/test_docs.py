@@ -77,9 +77,9 @@ def test_the_documented_config_resolves_and_its_plugins_work(doc_folder, tokeniz
 
 
 def test_the_documented_function_also_runs_in_process(doc_folder):
-    from agentrl.engine.services import ToolSource, function_tool
+    from agentrl.engine.services import FunctionSource, function_tool
 
-    tool = function_tool(ToolSource(function="my_tools.py:word_count"), "tools[0]")
+    tool = function_tool(FunctionSource(function="my_tools.py:word_count"), "tools[0]")
     assert tool.parameters["required"] == ["text"] and tool.description == "Count the words of a text."
     assert asyncio.run(tool.execute({"text": "one two three"})).content == {"words": 3}
 

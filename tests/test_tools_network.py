@@ -40,7 +40,7 @@ def test_off_loopback_every_tool_service_binds_there_with_the_runs_keys(host, tm
     import zmq.auth
 
     from agentrl.common.config import build
-    from agentrl.engine.services import ServicesConfig, ToolSource, _curve, start_services
+    from agentrl.engine.services import CommandSource, ServicesConfig, _curve, start_services
     from agentrl.runconfig import NetworkConfig, TrainConfig
     from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
     from agentrl.train import Supervisor
@@ -55,7 +55,7 @@ def test_off_loopback_every_tool_service_binds_there_with_the_runs_keys(host, tm
     secret = zmq.auth.load_certificate(keys.server_secret)[1]
     client_secret = zmq.auth.load_certificate(keys.client_secret)[1]
     config = build(ServicesConfig, {"tools": ["calculator"]})
-    command = ToolSource(command=[sys.executable, "adder.py", "--bind", "{bind}"], cwd=str(tmp_path))
+    command = CommandSource(command=[sys.executable, "adder.py", "--bind", "{bind}"], cwd=str(tmp_path))
 
     async def run():
         services = await start_services(config, tools=[command], env_required=(), model_dir="", corpus=None,

@@ -150,21 +150,23 @@ def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, de
                   prefix: KeyPath = ()) -> str:
     """One line per bad key: `source: key.path: what is wrong (got value)[; accepted: ...]`."""
     by_key: dict[KeyPath, list[dict]] = {}
+    tables: dict[KeyPath, Any] = {}
     for e in err.errors():
-        key = _key_path(cls, e["loc"])
+        key, types = _key_path(cls, e["loc"])
         if e["type"] == "value_error":
             # A rule in __post_init__ raised at the dataclass; its message starts with the field it is about.
             head = re.match(r"(\w+)\s*[:=]", e["msg"].removeprefix("Value error, "))
-            if head and head.group(1) in field_names(_type_at(cls, key)):
+            if head and head.group(1) in field_names(types.get(len(key))):
                 key = (*key, head.group(1))
                 e = {**e, "msg": e["msg"].removeprefix("Value error, ")[head.end():].strip()}
         by_key.setdefault(key, []).append(e)
+        tables[key] = types.get(len(key) - 1)
     lines = []
     for key, errors in by_key.items():
         source = _origin(origins, (*prefix, *key), default_source)
         where = ".".join((*prefix, *key)) or "(top level)"
         if any(e["type"] in ("unexpected_keyword_argument", "extra_forbidden") for e in errors):
-            accepted = field_names(_type_at(cls, key[:-1]))
+            accepted = field_names(tables[key])
             lines.append(f"{source}: {where}: unknown key; accepted keys here: {', '.join(accepted)}")
             continue
         messages = []
@@ -186,27 +188,52 @@ def _origin(origins: Origins, key: KeyPath, default: str) -> str:
     return default
 
 
-def _key_path(cls: type, loc: tuple) -> KeyPath:
-    """The config key path of a pydantic error location: list indices shown as `[i]` on the key
-    before them, union-member tags (`int`, `literal['all']`, ...) dropped."""
+def _key_path(cls: type, loc: tuple) -> tuple[KeyPath, dict[int, Any]]:
+    """The config key path of a pydantic error location (list indices shown as `[i]` on the key
+    before them, union-member tags such as `int`, `literal['all']` or a tagged union's tag dropped),
+    and the type of the table at each length of that path (a tagged union's chosen member)."""
     out: list[str] = []
     tp: Any = cls
+    types: dict[int, Any] = {0: cls}
     for part in loc:
+        members = tagged_members(tp)
         if isinstance(part, int):
             if out:
                 out[-1] += f"[{part}]"
             tp = _item_type(tp)
-            continue
-        names = field_names(tp)
-        if names and part in names:
+        elif members is not None and part in members:
+            tp = members[part]
+        elif (names := field_names(tp)) and part in names:
             out.append(part)
             tp = _field_type(tp, part)
-        elif not names and tp is not None and not _is_container(tp):
+        elif not names and tp is not None and not _is_container(tp) and members is None:
             continue  # a union member's tag
         else:
             out.append(str(part))
             tp = None
-    return tuple(out)
+        types[len(out)] = tp
+    return tuple(out), types
+
+
+def tagged_members(tp: Any) -> dict[str, type] | None:
+    """{tag: dataclass} of a tagged union (`Annotated[A | B, Discriminator(...)]` whose members are
+    `Annotated[A, Tag("a")]`), else None."""
+    if typing.get_origin(tp) is not typing.Annotated or not any(isinstance(m, pydantic.Discriminator) for m in tp.__metadata__):
+        return None
+    members = {}
+    for member in typing.get_args(tp.__origin__):
+        tag = next(m.tag for m in member.__metadata__ if isinstance(m, pydantic.Tag))
+        members[tag] = typing.get_args(member)[0]
+    return members
+
+
+def tagged_member_of(tp: Any, value: Any) -> type | None:
+    """The member of tagged union `tp` that `value` (a table or an instance) is, or None."""
+    members = tagged_members(tp)
+    if members is None:
+        return None
+    discriminator = next(m for m in tp.__metadata__ if isinstance(m, pydantic.Discriminator)).discriminator
+    return members.get(discriminator(value)) if callable(discriminator) else None
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -231,17 +258,7 @@ def _field_type(tp: Any, name: str) -> Any:
     tp = _strip_optional(tp)
     if not dataclasses.is_dataclass(tp):
         return None
-    return _strip_optional(typing.get_type_hints(tp)[_field_name(tp, name)])
-
-
-def _type_at(cls: type, key: KeyPath) -> Any:
-    tp: Any = cls
-    for part in key:
-        name = part.split("[", 1)[0]
-        tp = _field_type(tp, name)
-        if "[" in part:
-            tp = _item_type(tp)
-    return _strip_optional(tp)
+    return _strip_optional(typing.get_type_hints(tp, include_extras=True)[_field_name(tp, name)])
 
 
 def field_names(tp: Any) -> list[str]:
@@ -290,12 +307,20 @@ def absolute_paths(cls: type, data: dict, base: Path) -> dict:
         if kind is not None:
             out[key] = _absolute(value, kind, base)
             continue
-        tp = _strip_optional(typing.get_type_hints(cls)[name])
+        tp = _strip_optional(typing.get_type_hints(cls, include_extras=True)[name])
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             out[key] = absolute_paths(tp, value, base)
-        elif (inner := _item_type(tp)) is not None and dataclasses.is_dataclass(inner) and isinstance(value, list):
-            out[key] = [absolute_paths(inner, v, base) if isinstance(v, dict) else v for v in value]
+        elif (inner := _item_type(tp)) is not None and isinstance(value, list):
+            out[key] = [absolute_paths(member, v, base) if isinstance(v, dict) and (member := _table_type(inner, v)) else v
+                        for v in value]
     return out
+
+
+def _table_type(tp: Any, value: dict) -> type | None:
+    """The dataclass a table `value` of type `tp` is read as (a tagged union's member), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return tagged_member_of(tp, value)
 
 
 def _path_kind(hint: Any) -> str | None:
@@ -326,10 +351,11 @@ def _absolute(value: Any, kind: str, base: Path) -> Any:
 def describe(cls: type, prefix: str = "") -> Iterator[str]:
     """`key.path  type = default  description` for every field, nested dataclasses expanded."""
     hints = typing.get_type_hints(cls)
+    structure = typing.get_type_hints(cls, include_extras=True)
     infos = getattr(cls, "__pydantic_fields__", {})
     for f in dataclasses.fields(cls):
         path = f"{prefix}{_alias(cls, f.name)}"
-        tp = _strip_optional(hints[f.name])
+        tp = _strip_optional(structure[f.name])
         doc = (infos[f.name].description or "") if f.name in infos else ""
         doc = " ".join(doc.split())
         inner = _item_type(tp) if typing.get_origin(tp) is list else None
@@ -339,6 +365,11 @@ def describe(cls: type, prefix: str = "") -> Iterator[str]:
         elif inner is not None and dataclasses.is_dataclass(inner):
             yield f"[[{path}]]{'  ' + doc if doc else ''}"
             yield from describe(inner, path + "[].")
+        elif inner is not None and (members := tagged_members(inner)) is not None:
+            yield f"[[{path}]]{'  ' + doc if doc else ''} Each entry is one of:"
+            for tag, member in members.items():
+                yield f"  [[{path}]] with {tag}: {' '.join((member.__doc__ or '').split())}"
+                yield from describe(member, f"{path}[].")
         else:
             default = _default_of(f)
             yield f"  {path}: {_type_name(hints[f.name])}{'' if default is None else ' = ' + default}" + (f"  {doc}" if doc else "")
