@@ -37,7 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 from agentrl.toolservers import protocol as P
 from agentrl.toolservers.client import ToolClient
 from agentrl.toolservers.process import start_toolserver
-from agentrl.toolservers.sandbox import FrameReader, SandboxProtocolError, check_result
+from agentrl.toolservers.sandbox_frames import FrameReader, SandboxProtocolError, check_result
 from agentrl.toolservers.server import ServerConfig, Tool, ToolServer, ToolSpec
 
 CORPUS = Path(__file__).parent / "fixtures" / "toolservers" / "passages.jsonl"

@@ -297,7 +297,7 @@ async def test_a_sandbox_killed_from_outside_is_replaced_and_its_call_answered()
 def test_a_sandbox_cpu_quota_never_exceeds_its_parent_cgroups(tmp_path):
     # cgroup v1 refuses (EINVAL) a child quota above its parent's: a tool service in a container held
     # to 0.76 cores must give its sandboxes at most that, not fail to start them.
-    from agentrl.toolservers.sandbox import CPU_PERIOD_US, cpu_quota_us
+    from agentrl.toolservers.cgroups import CPU_PERIOD_US, cpu_quota_us
 
     (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")  # no quota above
     (tmp_path / "cpu.cfs_period_us").write_text("100000\n")

@@ -5,8 +5,11 @@
     client.py          ToolClient: async DEALER client over replicas, heartbeats, retries
     calculator.py      `calculator`: exact arithmetic, parsed safely
     search.py          `search`: BM25 (bm25s) over a JSONL passage corpus, cached index
-    sandbox.py         `python`: bubblewrap sandboxes started ahead of time (pool)
+    sandbox.py         `python`: bubblewrap sandboxes started ahead of time (pool); SandboxConfig
+    sandbox_frames.py  the host side of the sandbox's frame protocol (length-prefixed JSON results)
+    cgroups.py         the sandboxes' cgroups (v1): roots, CPU quota under the parents', cleanup
     sandbox_zygote.py  the program that runs inside each sandbox (never imported)
+    functions.py       serve(): Python functions as a tool service (a user's own, `[[tools]] command`)
     process.py         start_toolserver(): run a service as a subprocess, wait for READY, stop by PID
     cli.py             `agentrl toolserver NAME ...`, `agentrl tool call|describe ...`
 

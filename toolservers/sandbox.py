@@ -73,6 +73,15 @@ from pathlib import Path
 
 from agentrl.common.config import config_dataclass
 from agentrl.toolservers import protocol as P
+from agentrl.toolservers.cgroups import (
+    CPU_PERIOD_US,
+    cgroup_roots,
+    counter,
+    cpu_quota_us,
+    empty_cgroup,
+    remove_stale_cgroups,
+)
+from agentrl.toolservers.sandbox_frames import FrameReader, SandboxProtocolError, check_result
 from agentrl.toolservers.server import Job, Outcome, Tool, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -82,9 +91,6 @@ MAX_CODE_CHARS = 100_000
 MAX_STDIN_CHARS = 1_000_000
 CALL_UID_INSIDE = 1000
 """The call's uid (and gid) inside the sandbox's user namespace; the zygote's is 0."""
-CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
-CPU_PERIOD_US = 100_000
-LIMITS = frozenset({"wall_time", "cpu_time", "memory", "processes", "file_size", "disk", "output"})
 
 # Runs as the slot's zygote uid, so that the user namespace it makes is owned by that uid and bwrap
 # (same uid) may join it; the server writes the namespace's uid/gid maps from outside.
@@ -199,127 +205,6 @@ class SandboxConfig:
         return module_dir
 
 
-def cgroup_roots() -> dict[str, Path]:
-    """This process's own cgroup directory per controller (cgroup v1), each writable."""
-    own: dict[str, str] = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for controller in controllers.split(","):
-            own[controller] = path
-    roots = {}
-    for controller in CGROUP_CONTROLLERS:
-        root = Path("/sys/fs/cgroup") / controller / own.get(controller, "/").lstrip("/")
-        if controller not in own or not os.access(root, os.W_OK):
-            raise RuntimeError(
-                f"cannot create {controller} cgroups (needs root and cgroup v1 {controller} mounted "
-                f"read-write at /sys/fs/cgroup/{controller}); set cgroups = false "
-                "([services.python] of a run config, or --no-cgroups) to rely on per-process rlimits only, which bound neither the total "
-                "memory nor the total CPU of a call's processes"
-            )
-        roots[controller] = root
-    return roots
-
-
-def cpu_quota_us(cpu_cores: float, parent: Path) -> int:
-    """A sandbox cgroup's cpu.cfs_quota_us for `cpu_cores` per CPU_PERIOD_US, no more than the
-    quota of its parent cgroup or of any cgroup above it allows: cgroup v1 refuses (EINVAL) a child
-    quota above the nearest one set above it, and that one bounds the child anyway. A server in a
-    container held to under one core (or run by scripts/slow_kind.sh) otherwise could not start its
-    sandboxes."""
-    quota_us = int(cpu_cores * CPU_PERIOD_US)
-    group = parent
-    while (group / "cpu.cfs_quota_us").is_file():
-        group_quota_us = int((group / "cpu.cfs_quota_us").read_text())
-        if group_quota_us > 0:  # -1: no quota of its own
-            group_period_us = int((group / "cpu.cfs_period_us").read_text())
-            quota_us = min(quota_us, group_quota_us * CPU_PERIOD_US // group_period_us)
-        group = group.parent
-    return quota_us
-
-
-def _empty_cgroup(cgroup: Path, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while pids := (cgroup / "cgroup.procs").read_text().split():
-        if time.monotonic() > end:
-            raise RuntimeError(f"processes {pids} still in {cgroup} after SIGKILL and {timeout_s} s")
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass  # exited between the read and the kill
-        time.sleep(0.005)
-
-
-def _remove_stale_cgroups(root: Path) -> None:
-    """Remove empty slot cgroups left by servers that were SIGKILLed (they cannot clean up)."""
-    for cgroup in root.glob("agentrl-sandbox-*-*"):
-        owner_pid = int(cgroup.name.split("-")[2])
-        if owner_pid != os.getpid() and not Path(f"/proc/{owner_pid}").exists():
-            if not (cgroup / "cgroup.procs").read_text().strip():
-                cgroup.rmdir()
-
-
-def _counter(path: Path, key: str) -> int:
-    for line in path.read_text().splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            return int(value)
-    raise RuntimeError(f"{path} has no {key!r} line")
-
-
-class SandboxProtocolError(Exception):
-    """A sandbox sent bytes that are not a well-formed frame of the zygote protocol."""
-
-
-class FrameReader:
-    """Splits the byte stream from a sandbox into frames: a 4-byte big-endian length, then that
-    many bytes of UTF-8 JSON holding an object. Anything else raises SandboxProtocolError; at
-    most 4 + max_frame_bytes bytes are ever buffered."""
-
-    def __init__(self, max_frame_bytes: int):
-        self.max_frame_bytes = max_frame_bytes
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[dict]:
-        self._buf += data
-        frames = []
-        while len(self._buf) >= 4:
-            (size,) = struct.unpack_from(">I", self._buf)
-            if size > self.max_frame_bytes:
-                raise SandboxProtocolError(f"a frame of {size} bytes announced; results are at most "
-                                           f"{self.max_frame_bytes}")
-            if len(self._buf) < 4 + size:
-                break
-            body = bytes(self._buf[4 : 4 + size])
-            del self._buf[: 4 + size]
-            try:
-                frame = json.loads(body)
-            except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-                raise SandboxProtocolError(f"a frame is not JSON: {exc}") from None
-            if not isinstance(frame, dict):
-                raise SandboxProtocolError(f"a frame is JSON {type(frame).__name__}, not an object")
-            frames.append(frame)
-        return frames
-
-
-_RESULT_TYPES: dict[str, tuple[type, ...]] = {
-    "stdout": (str,), "stderr": (str,), "exit_code": (int,), "limit": (str, type(None)),
-    "duration_s": (int, float),
-}
-
-
-def check_result(frame: dict) -> dict:
-    """`frame` if it is a result the zygote can send, else SandboxProtocolError saying why."""
-    if frame.keys() != _RESULT_TYPES.keys():
-        raise SandboxProtocolError(f"a result has fields {sorted(map(str, frame))}; expected {sorted(_RESULT_TYPES)}")
-    for name, types in _RESULT_TYPES.items():
-        if not isinstance(frame[name], types) or isinstance(frame[name], bool):
-            raise SandboxProtocolError(f"result field {name!r} is {type(frame[name]).__name__}")
-    if frame["limit"] is not None and frame["limit"] not in LIMITS:
-        raise SandboxProtocolError(f"result names an unknown limit {frame['limit'][:40]!r}")
-    return frame
-
-
 class _Slot:
     def __init__(self, index: int, max_frame_bytes: int):
         self.index = index
@@ -344,10 +229,10 @@ class _Slot:
         return self.popen.stdout.fileno()
 
     def oom_kills(self) -> int:
-        return 0 if self.cgroups is None else _counter(self.cgroups["memory"] / "memory.oom_control", "oom_kill")
+        return 0 if self.cgroups is None else counter(self.cgroups["memory"] / "memory.oom_control", "oom_kill")
 
     def pids_max_hits(self) -> int:
-        return 0 if self.cgroups is None else _counter(self.cgroups["pids"] / "pids.events", "max")
+        return 0 if self.cgroups is None else counter(self.cgroups["pids"] / "pids.events", "max")
 
 
 class PythonTool(Tool):
@@ -400,7 +285,7 @@ class PythonTool(Tool):
     def start(self) -> None:
         if self._cgroup_roots is not None:
             for root in self._cgroup_roots.values():
-                _remove_stale_cgroups(root)
+                remove_stale_cgroups(root)
         for slot in self.slots:
             self._spawn(slot)
         # Wait for every sandbox to say ready, so READY means "calls run now at full speed".
@@ -530,7 +415,7 @@ class PythonTool(Tool):
             # The sandbox's PID 1 runs in its own session (bwrap --new-session), so the group kill
             # above reaches only bwrap; its processes die by PDEATHSIG, asynchronously. Kill what
             # the cgroup still holds and wait until it is empty, so it can be reused or removed.
-            _empty_cgroup(slot.cgroups["pids"], timeout_s=5.0)
+            empty_cgroup(slot.cgroups["pids"], timeout_s=5.0)
         for stream in (slot.popen.stdin, slot.popen.stdout):
             if stream is not None:
                 stream.close()
