@@ -338,9 +338,10 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         problems.append(f"{at('orchestrator', 'sampling', 'temperature')} = {sampling.temperature} differs from "
                         f"{at('learner', 'trainer', 'temperature')} = {config.learner.trainer.temperature}, the "
                         "temperature the learner recomputes the behaviour log-probs at; set both to the same value")
-    if not config.services.vllm and config.env.max_total_tokens > config.services.max_model_len:
+    if not config.services.vllm and config.env.max_total_tokens > config.services.vllm_server.max_model_len:
         problems.append(f"{at('env', 'max_total_tokens')}: {config.env.max_total_tokens} is longer than the "
-                        f"server's services.max_model_len = {config.services.max_model_len}; lower it or raise max_model_len")
+                        f"server's services.vllm_server.max_model_len = {config.services.vllm_server.max_model_len}; "
+                        "lower it or raise max_model_len")
     if config.learner.trainer.max_row_tokens < config.env.max_total_tokens:
         problems.append(f"{at('learner', 'trainer', 'max_row_tokens')}: {config.learner.trainer.max_row_tokens} cannot "
                         f"hold the longest episode (env.max_total_tokens = {config.env.max_total_tokens}); raise it")

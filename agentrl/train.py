@@ -471,7 +471,8 @@ class Supervisor:
             return None
         cache_dir = evalcache.default_cache_dir(cfg.eval.cache_dir)
         inputs = evalcache.key_inputs(
-            model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_dtype), max_model_len=cfg.services.max_model_len,
+            model_dir=self.model_dir, dtype=cfg_dtype(cfg.services.vllm_server.dtype),
+            max_model_len=cfg.services.vllm_server.max_model_len,
             env=to_dict(cfg.env), prompt=self._prompt(), tasks=[dataclasses.asdict(t) for t in self._baseline_tasks()],
             decoding=dataclasses.asdict(GREEDY), baselines=["environment"] if cfg.eval.baselines else [],
             files={"env_source": Path(env_source), **({"corpus": self.taskset.corpus} if self.taskset.corpus else {})},

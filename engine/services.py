@@ -42,6 +42,28 @@ Builtin = Literal["search", "python", "calculator"]
 
 
 @config_dataclass
+class ServingConfig:
+    """How a vLLM server the run starts serves (engine/serve.py, VLLMServerConfig)."""
+
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "auto"
+    """Serving dtype ("auto": bf16 where the device runs it natively, else float32)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of device memory for weights and KV cache; None: 0.15 on CPU, 0.9 on CUDA."""
+    kv_cache_gib: float | None = None
+    """KV cache, GiB; None: 2.5 on CPU, vLLM's own sizing on CUDA."""
+    max_model_len: int = 4096
+    """Longest sequence it serves, tokens; must hold env.max_total_tokens."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len: {self.max_model_len} must be >= 1")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib: {self.kv_cache_gib} must be > 0")
+
+
+@config_dataclass
 class ServicesConfig:
     vllm: list[str] = field(default_factory=list)
     """Running vLLM servers (base URLs, e.g. from `agentrl serve-model`); empty: start one."""
@@ -51,20 +73,16 @@ class ServicesConfig:
     """Built-in tool services to start (besides those the environment requires)."""
     search_replicas: int = 1
     """Replicas of the search service to start (>= 1)."""
-    vllm_dtype: Literal["bfloat16", "float16", "float32", "auto"] = "auto"
-    """Serving dtype of a vLLM server started here ("auto": bf16 where the device runs it natively,
-    else float32; engine/serve.py)."""
-    gpu_memory_utilization: float | None = None
-    """Of a vLLM server started here (engine/serve.py); None: its default."""
-    kv_cache_gib: float | None = None
-    """KV cache of a vLLM server started here, GiB (engine/serve.py); None: 2.5 on CPU."""
-    max_model_len: int = 4096
-    """Longest sequence a vLLM server started here serves, tokens; must hold env.max_total_tokens."""
+    vllm_server: ServingConfig = field(default_factory=lambda: ServingConfig())
+    """How a vLLM server started here serves (not used with `vllm` URLs)."""
     max_learner_restarts: int = 3
     """A learner that dies is restarted (it resumes from its checkpoint) at most this many times."""
     python: SandboxConfig = field(default_factory=SandboxConfig)
     """The python tool's sandboxes and limits (sandbox count, memory, processes, CPU, timeouts),
     for the python service started here."""
+
+    __moved__ = {"vllm_dtype": "vllm_server.dtype", "gpu_memory_utilization": "vllm_server.gpu_memory_utilization",
+                 "kv_cache_gib": "vllm_server.kv_cache_gib", "max_model_len": "vllm_server.max_model_len"}
 
     def __post_init__(self) -> None:
         for url in self.vllm:
@@ -74,8 +92,8 @@ class ServicesConfig:
             _check_endpoint(endpoint, "tool_endpoints")
         if self.search_replicas < 1:
             raise ValueError(f"search_replicas: {self.search_replicas} must be >= 1")
-        if self.max_model_len < 1 or self.max_learner_restarts < 0:
-            raise ValueError("max_model_len: must be >= 1 (and max_learner_restarts >= 0)")
+        if self.max_learner_restarts < 0:
+            raise ValueError(f"max_learner_restarts: {self.max_learner_restarts} must be >= 0")
 
 
 def _check_endpoint(endpoint: str, key: str) -> None:
@@ -304,8 +322,10 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             services.remote.append(curve.remote(name, endpoints))
         if not services.vllm_urls and start_vllm:
             server = VLLMServer(
-                VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_dtype, max_model_len=config.max_model_len,
-                                 gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_gib=config.kv_cache_gib),
+                VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_server.dtype,
+                                 max_model_len=config.vllm_server.max_model_len,
+                                 gpu_memory_utilization=config.vllm_server.gpu_memory_utilization,
+                                 kv_cache_gib=config.vllm_server.kv_cache_gib),
                 log_path=logs / "vllm.log", control_token=control_token)
             services.vllm_server = server
             say(f"starting vLLM server (log {server.log_path}) ...")

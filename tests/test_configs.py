@@ -145,7 +145,7 @@ BAD = [
     ('[sft.learner.trainer.optimizer]\nllr = 1\n', [], r"sft.learner.trainer.optimizer.llr: unknown key"),
     ("[learner.trainer]\ntemperature = 0.5\n", [], r"orchestrator.sampling.temperature = 0.7 differs from .*bad.toml: learner.trainer.temperature = 0.5"),
     ('[env]\nmax_total_tokens = 8192\n[learner.trainer]\nmax_row_tokens = 8192\n', [],
-     r"env.max_total_tokens: 8192 is longer than the server's services.max_model_len = 4096"),
+     r"env.max_total_tokens: 8192 is longer than the server's services.vllm_server.max_model_len = 4096"),
     ('[tasks]\nloader = "no_such_module:load"\n', [], r"tasks.loader: cannot import 'no_such_module'"),
     ('[tasks]\nloader = "websearch"\n', [], r"tasks.loader: 'websearch' is neither a built-in \(synthetic, datasets, jsonl, hf_datasets\) nor"),
     ('[tasks.options]\nheldout_numm = 3\n', [], r"tasks.options.heldout_numm: unknown key; accepted keys here: seed"),
@@ -311,3 +311,12 @@ def test_command_line_options_are_checked_like_a_config_file():
         from_options(GatewayConfig, "agentrl gateway", port=70000)
     with pytest.raises(ConfigError, match=r"agentrl gateway: renderer: .*accepted|agentrl gateway: renderer: Input should be"):
         from_options(GatewayConfig, "agentrl gateway", renderer="jinja")
+
+
+@pytest.mark.parametrize("old, new", [("vllm_dtype", "vllm_server.dtype"), ("max_model_len", "vllm_server.max_model_len"),
+                                      ("kv_cache_gib", "vllm_server.kv_cache_gib")])
+def test_a_key_that_moved_is_refused_naming_where_it_went(tmp_path, old, new):
+    config = tmp_path / "old.toml"
+    config.write_text(f"[services]\n{old} = 1\n")
+    with pytest.raises(ConfigError, match=rf"old.toml: services.{old}: this key moved; write it as services.{new}$"):
+        load_run_config(config)

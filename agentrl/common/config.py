@@ -4,7 +4,8 @@ One system for every process (`agentrl train`, `eval`, `learner`, `actor`, tool 
 
 - A component's config is a dataclass declared with `@config_dataclass` (pydantic v2, `CONFIG`):
   unknown keys are refused, and the docstring under each field is its description (shown by
-  `agentrl train --help`). Construction in code validates too (lax: Python values are coerced the
+  `agentrl train --help`). A key that moved is named in the class's `__moved__` ({old key: its new
+  path under the same table}); an old config that uses it is refused naming the new key. Construction in code validates too (lax: Python values are coerced the
   way pydantic does); ranges and cross-field rules live in `__post_init__`.
 - Files and command lines go through `build(cls, data, origins)`, which validates strictly (the
   JSON mode of pydantic's strict validation: a TOML string is never an int, an int never a bool,
@@ -166,6 +167,10 @@ def format_errors(cls: type, err: pydantic.ValidationError, origins: Origins, de
         source = _origin(origins, (*prefix, *key), default_source)
         where = ".".join((*prefix, *key)) or "(top level)"
         if any(e["type"] in ("unexpected_keyword_argument", "extra_forbidden") for e in errors):
+            moved = getattr(tables[key], "__moved__", {}).get(key[-1])
+            if moved is not None:
+                lines.append(f"{source}: {where}: this key moved; write it as {'.'.join((*prefix, *key[:-1], moved))}")
+                continue
             accepted = field_names(tables[key])
             lines.append(f"{source}: {where}: unknown key; accepted keys here: {', '.join(accepted)}")
             continue
