@@ -358,9 +358,9 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         except ConfigError as err:
             text = str(err)
             problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools", "agent.")) else text)
-    if config.learner.anchor_coef > 0 and not config.sft.enabled:
-        problems.append(f"{at('learner', 'anchor_coef')}: the anchor trains on the SFT cold start's demonstrations; "
-                        "it needs sft.enabled = true, or set learner.anchor_coef = 0")
+    if config.learner.anchor.coef > 0 and not config.sft.enabled:
+        problems.append(f"{at('learner', 'anchor', 'coef')}: the anchor trains on the SFT cold start's demonstrations; "
+                        "it needs sft.enabled = true, or set learner.anchor.coef = 0")
     if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:
@@ -376,9 +376,9 @@ def sft_learner_overrides(sft) -> dict:
     SFT checkpoint 0.677 -> 0.469 held-out EM, every 2-hop question answered after one search;
     docs/notes/issue-15.md, run Q), and the SFT loss has no KL term, so a reference copy would only
     cost memory and loading time."""
-    rl_only = {"kl_reference": False, "anchor_coef": 0.0, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
+    rl_only = {"kl_reference": False, "anchor": {"coef": 0.0}, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
     return layer(layer(rl_only, sft.learner),
-                 {"max_steps": sft.steps, "publish_every": sft.steps, "checkpoint_every": sft.steps})
+                 {"max_steps": sft.steps, "publish": {"every": sft.steps}, "checkpoint": {"every": sft.steps}})
 
 
 def config_data(config: TrainConfig) -> dict[str, Any]:

@@ -78,7 +78,7 @@ from agentrl.runconfig import (
 )
 
 ANCHOR_DIR = "rl-anchor"
-"""Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor_coef > 0)."""
+"""Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor.coef > 0)."""
 RUN_CLIENT = "agentrl-run"
 """Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
 RUN_LEARNER = "agentrl-run-learner"
@@ -529,13 +529,13 @@ class Supervisor:
         gold, source = await self._demonstrations()
         if not gold:
             self.say(f"SFT cold start skipped: no demonstrations ({source})")
-            if cfg.learner.anchor_coef > 0:  # refused now rather than at the RL phase's start
+            if cfg.learner.anchor.coef > 0:  # refused now rather than at the RL phase's start
                 await self._write_anchor(gold, source)
             self._phase_done("sft", {"skipped": "no demonstrations"})
             return
         self._phase("sft")
         self.say(f"SFT cold start on {len(gold)} demonstrations from {source}")
-        if cfg.learner.anchor_coef > 0:
+        if cfg.learner.anchor.coef > 0:
             await self._write_anchor(gold, source)
         # After SFT come its evaluation, the RL phase's share and the final evaluation.
         reserve_s = 2 * self._final_eval_reserve_s() + self._rl_min_s()
@@ -623,8 +623,8 @@ class Supervisor:
         if gold is None:
             gold, source = await self._demonstrations()
         if not gold:
-            raise RuntimeError(f"learner.anchor_coef = {self.config.learner.anchor_coef}: the demonstration anchor trains "
-                               f"on the SFT demonstrations, and this run has none ({source}); set learner.anchor_coef = 0")
+            raise RuntimeError(f"learner.anchor.coef = {self.config.learner.anchor.coef}: the demonstration anchor trains "
+                               f"on the SFT demonstrations, and this run has none ({source}); set learner.anchor.coef = 0")
         partial = path.with_name(path.name + ".partial")
         if partial.exists():  # a run stopped while writing it
             shutil.rmtree(partial)
@@ -647,7 +647,7 @@ class Supervisor:
         overrides: dict = {}
         if cfg.sft.enabled and not self.phases.get("sft", {}).get("skipped"):
             overrides["init_checkpoint"] = str(self.out / "sft" / "checkpoints")
-        if cfg.learner.anchor_coef > 0:
+        if cfg.learner.anchor.coef > 0:
             overrides["anchor_dir"] = str(await self._write_anchor())
         config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)

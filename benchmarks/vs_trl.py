@@ -85,7 +85,7 @@ def ensure_trl_venv(log_path: Path) -> Path:
 
 COMPARISON_SETS = ('services.tools=["search"]', "eval.every_s=1e9", "eval.baselines=false", "eval.in_budget=false",
                    "env.options.retrieval_reward=0.0", "env.options.progress_note=false",
-                   "learner.trainer.advantage.dynamic_sampling=false", "learner.anchor_coef=0.0")
+                   "learner.trainer.advantage.dynamic_sampling=false", "learner.anchor.coef=0.0")
 """What the comparison changes on `agentrl train`'s config: only the search tool, no in-budget
 evaluation, and neither the retrieval process term, the environment's progress note, dynamic
 sampling nor the demonstration anchor (the TRL side's reward function restates the per-call terms
@@ -124,7 +124,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
 
     rl_learner = config.learner
     if (config.env.options.get("retrieval_reward") or config.env.options.get("progress_note")
-            or rl_learner.trainer.advantage.dynamic_sampling or rl_learner.anchor_coef > 0):
+            or rl_learner.trainer.advantage.dynamic_sampling or rl_learner.anchor.coef > 0):
         raise ValueError("the TRL side restates neither the retrieval term, the progress note, dynamic sampling nor "
                          "the demonstration anchor; the config uses one")
     if rl_learner.trainer.train_layers == "all" or rl_learner.trainer.train_embeddings:

@@ -2,7 +2,7 @@
 
 `evaluate(conn, tasks, label)` runs every task once, greedy, with the tools, after dropping the
 servers' KV and prefix caches (pushes may keep KV computed under earlier weights, learner
-`kv_refresh_every` > 1; an evaluation starts from none). During RL the learner goes on pushing
+`publish.kv_refresh_every` > 1; an evaluation starts from none). During RL the learner goes on pushing
 while it runs, so an RL-phase evaluation is a mixture of versions; its summary records the version
 served at its start.
 

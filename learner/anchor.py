@@ -1,8 +1,8 @@
 """The demonstration anchor: gold trajectories trained by likelihood beside each RL step.
 
-With `anchor_coef` > 0 (LearnerConfig) every RL optimizer step adds, to the policy-gradient loss,
-`anchor_coef` x the mean negative log-likelihood of the action tokens of a few gold demonstrations
-(about `anchor_tokens_per_step` tokens, whole trajectories), read from `anchor_dir`: a spool folder
+With `anchor.coef` > 0 (LearnerConfig) every RL optimizer step adds, to the policy-gradient loss,
+`anchor.coef` x the mean negative log-likelihood of the action tokens of a few gold demonstrations
+(about `anchor.tokens_per_step` tokens, whole trajectories), read from `anchor_dir`: a spool folder
 of demonstration groups (`agentrl train` writes the SFT cold start's there). The demonstrations are
 taken in a seeded shuffled order and cycled, each once per pass (a step ends with its pass); a
 learner that resumes at step k takes a new order seeded by (seed, k), so a restart does not repeat

@@ -14,6 +14,60 @@ from agentrl.learner.trainer_config import TrainerConfig
 
 
 @config_dataclass
+class PublishConfig:
+    """How the learner pushes its weights to the inference servers (`[learner.publish]`)."""
+
+    every: int = 1
+    """Push every this many optimizer steps (0 = never)."""
+    kv_refresh_every: int = 1
+    """Every this many pushes the servers drop their KV and prefix caches, so running requests
+    recompute their contexts under the new weights; the pushes in between keep the keys and values
+    computed so far (far less work for a CPU server; the behavior log-probs still describe what
+    sampled, but reused keys may be up to kv_refresh_every - 1 versions older than the version
+    labels say). 1 = every push (exact). agentrl/common/weights.py, step 3."""
+    transport: Literal["auto", "shm", "stream"] = "auto"
+    """How a push reaches each server: "shm" names a file in this host's /dev/shm (the server must
+    share the host), "stream" sends the bytes over HTTP, checksummed (any host); "auto": shm for a
+    loopback server URL, stream for any other (agentrl/common/weights.py, TRANSPORTS)."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"every: {self.every} must be >= 0")
+        if self.kv_refresh_every < 1:
+            raise ValueError(f"kv_refresh_every: {self.kv_refresh_every} must be >= 1 (1 = drop the servers' KV on every push)")
+
+
+@config_dataclass
+class CheckpointConfig:
+    """When the learner checkpoints (`[learner.checkpoint]`)."""
+
+    every: int = 10
+    """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
+    keep: int = 2
+    """Number of newest checkpoints kept on disk."""
+
+    def __post_init__(self) -> None:
+        if self.every <= 0 or self.keep < 1:
+            raise ValueError(f"every: every ({self.every}) must be > 0 and keep ({self.keep}) >= 1")
+
+
+@config_dataclass
+class AnchorConfig:
+    """The demonstration anchor of RL steps (`[learner.anchor]`, learner/anchor.py)."""
+
+    coef: float = 0.0
+    """Weight of the anchor in each RL step: the mean NLL of gold demonstrations' action tokens (at
+    trainer.temperature), added to the policy-gradient loss; 0 = none. Needs the learner's
+    anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
+    tokens_per_step: int = 1024
+    """Tokens of demonstrations (whole trajectories, at least one) the anchor adds to each RL step."""
+
+    def __post_init__(self) -> None:
+        if not self.coef >= 0 or self.tokens_per_step < 1:
+            raise ValueError(f"coef: coef={self.coef} must be >= 0 and tokens_per_step={self.tokens_per_step} >= 1")
+
+
+@config_dataclass
 class LearnerConfig:
     output_dir: str = ""
     """Folder for metrics.jsonl, tensorboard/, checkpoints/, spool/ and rejected/ (created); required to run a
@@ -29,22 +83,6 @@ class LearnerConfig:
     """Stop after this many optimizer steps (counted across restarts)."""
     staleness_bound: int | None = 4
     """Drop trajectories with an action token more than this many versions behind; None = keep all."""
-    publish_every: int = 1
-    """Push weights to the servers every this many optimizer steps (0 = never)."""
-    kv_refresh_every: int = 1
-    """Every this many pushes the servers drop their KV and prefix caches, so running requests
-    recompute their contexts under the new weights; the pushes in between keep the keys and values
-    computed so far (far less work for a CPU server; the behavior log-probs still describe what
-    sampled, but reused keys may be up to kv_refresh_every - 1 versions older than the version
-    labels say). 1 = every push (exact). agentrl/common/weights.py, step 3."""
-    weight_transport: Literal["auto", "shm", "stream"] = "auto"
-    """How a push reaches each server: "shm" names a file in this host's /dev/shm (the server must
-    share the host), "stream" sends the bytes over HTTP, checksummed (any host); "auto": shm for a
-    loopback server URL, stream for any other (agentrl/common/weights.py, TRANSPORTS)."""
-    checkpoint_every: int = 10
-    """Checkpoint every this many optimizer steps (also on SIGTERM and at the end)."""
-    keep_checkpoints: int = 2
-    """Number of newest checkpoints kept on disk."""
     group_endpoint: str = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint the learner binds to receive trajectory groups. Loopback (or ipc://) by
     default; an endpoint other hosts can reach needs the two curve_* keys."""
@@ -71,6 +109,9 @@ class LearnerConfig:
     """vLLM server base URLs to push weights to."""
     reward_schedule: RewardSchedule = field(default_factory=RewardSchedule)
     """Process/task reward weights by optimizer step."""
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
     init_checkpoint: FilePath | None = None
     """A checkpoints folder (another learner's `output_dir/checkpoints`) whose latest policy weights
     and version this learner starts from when its own output_dir holds no checkpoint yet: the RL
@@ -78,14 +119,8 @@ class LearnerConfig:
     kl_reference: bool = False
     """Load a frozen copy of the initial weights as KL reference (needs trainer.loss.kl_coef > 0):
     those of `init_checkpoint` when it is set (the policy RL starts from), else `model_dir`'s."""
-    anchor_coef: float = 0.0
-    """Weight of the demonstration anchor in each RL step: the mean NLL of gold demonstrations'
-    action tokens (at trainer.temperature), added to the policy-gradient loss (learner/anchor.py);
-    0 = none. Needs anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
     anchor_dir: FilePath | None = None
-    """A spool folder of demonstration groups for the anchor (learner/anchor.py)."""
-    anchor_tokens_per_step: int = 1024
-    """Tokens of demonstrations (whole trajectories, at least one) the anchor adds to each RL step."""
+    """A spool folder of demonstration groups for the anchor (`anchor`, learner/anchor.py)."""
     seed: int = 0
     """Seed of torch, numpy and Python's generators at start (checkpoints carry their states)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -102,6 +137,11 @@ class LearnerConfig:
     progress_bar: bool = True
     """A tqdm bar on stderr (off when a supervisor owns the terminal)."""
 
+    __moved__ = {"publish_every": "publish.every", "kv_refresh_every": "publish.kv_refresh_every",
+                 "weight_transport": "publish.transport", "checkpoint_every": "checkpoint.every",
+                 "keep_checkpoints": "checkpoint.keep", "anchor_coef": "anchor.coef",
+                 "anchor_tokens_per_step": "anchor.tokens_per_step"}
+
     def __post_init__(self) -> None:
         keys = self.curve_keys()
         for key in ("group_endpoint", "version_endpoint"):
@@ -114,22 +154,13 @@ class LearnerConfig:
                         'the actor keys/server.key and its clients/NAME.key_secret')
         if self.tokens_per_step <= 0:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} must be > 0")
-        if self.checkpoint_every <= 0:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every} must be > 0")
         if self.max_group_frame_bytes < 1 << 10:
             raise ValueError(f"max_group_frame_bytes={self.max_group_frame_bytes} must be >= 1024 (a group header alone "
                              "is hundreds of bytes)")
-        if self.publish_every < 0:
-            raise ValueError(f"publish_every={self.publish_every} must be >= 0")
-        if self.kv_refresh_every < 1:
-            raise ValueError(f"kv_refresh_every={self.kv_refresh_every} must be >= 1 (1 = drop the servers' KV on every push)")
         if self.mode not in ("rl", "sft"):
             raise ValueError(f"mode={self.mode!r}: choose 'rl' or 'sft'")
-        if not self.anchor_coef >= 0 or self.anchor_tokens_per_step < 1:
-            raise ValueError(f"anchor_coef={self.anchor_coef} must be >= 0 and anchor_tokens_per_step="
-                             f"{self.anchor_tokens_per_step} >= 1")
-        if self.anchor_coef > 0 and self.mode == "sft":
-            raise ValueError("anchor_coef > 0 is for mode = 'rl' (the SFT loss is the demonstrations' NLL already)")
+        if self.anchor.coef > 0 and self.mode == "sft":
+            raise ValueError("anchor: anchor.coef > 0 is for mode = 'rl' (the SFT loss is the demonstrations' NLL already)")
         if self.trainer.loss.kl_coef > 0 and not self.kl_reference:
             raise ValueError("trainer.loss.kl_coef > 0 needs kl_reference = true")
         if not self.dist_timeout_s > 0:

@@ -125,8 +125,8 @@ class Solo:
     def build(self) -> None:
         self.trainer, self.model = build_trainer(self.config, self.device, shard=False)
         cfg = self.config
-        self.anchor = (Anchor.from_dir(cfg.anchor_dir, vocab_size=self.vocab_size, tokens_per_step=cfg.anchor_tokens_per_step,
-                                       seed=cfg.seed) if cfg.anchor_coef > 0 else None)
+        self.anchor = (Anchor.from_dir(cfg.anchor_dir, vocab_size=self.vocab_size, tokens_per_step=cfg.anchor.tokens_per_step,
+                                       seed=cfg.seed) if cfg.anchor.coef > 0 else None)
 
     @property
     def vocab_size(self) -> int:
@@ -176,7 +176,7 @@ class Solo:
         if self.config.mode == "sft":
             stats = trainer.sft_step(micro_batches)
         else:
-            stats = trainer.rl_step(micro_batches, anchor=anchor, anchor_coef=self.config.anchor_coef)
+            stats = trainer.rl_step(micro_batches, anchor=anchor, anchor_coef=self.config.anchor.coef)
         return stats, len(micro_batches)
 
     @on_device
@@ -212,7 +212,7 @@ class Leader(Solo):
 
     def build(self) -> None:
         self.trainer, self.model = build_trainer(self.config, self.device, shard=True)
-        self.anchor = None  # service.main refuses anchor_coef > 0 under torchrun, before the ranks start
+        self.anchor = None  # service.main refuses anchor.coef > 0 under torchrun, before the ranks start
 
     def restore(self, checkpoints: Path) -> Restored:
         return restore_collective(self, checkpoints)

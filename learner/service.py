@@ -12,12 +12,12 @@ One step of the loop (`Learner.run`), in order:
    a step whose gradient norm is not finite is skipped (nothing applied, the version stays, its
    groups are recorded as "nonfinite_gradient", counted in `steps/skipped_nonfinite_grad`);
 4. ledger update, metrics line;
-5. every `publish_every` steps: snapshot the weights and push them to every vLLM server in the
+5. every `publish.every` steps: snapshot the weights and push them to every vLLM server in the
    background (`publish.py`; a server that fails is marked down and re-pushed the latest weights
    when it answers again, the others are not held up); publish (version, served_version) to the
    orchestrator;
-6. every `checkpoint_every` steps, on SIGTERM and at the end: atomic checkpoint; and when it stops
-   (SIGTERM or `max_steps`) with steps it has not pushed yet (`publish_every` > 1), a last push, so
+6. every `checkpoint.every` steps, on SIGTERM and at the end: atomic checkpoint; and when it stops
+   (SIGTERM or `max_steps`) with steps it has not pushed yet (`publish.every` > 1), a last push, so
    the servers serve what its checkpoint holds (an SFT learner stopped by the run's time limit).
 
 Versions: the learner's version is its optimizer step count (0 = the initial weights, which a
@@ -88,12 +88,12 @@ def check_runnable(config: LearnerConfig, where: str = "learner config") -> None
     supervisor fills in (`agentrl train` does; a hand-written config must)."""
     if not config.output_dir:
         raise ConfigError(f"{where}: output_dir: required (the folder for checkpoints, spool and metrics)")
-    if config.anchor_coef > 0 and not config.anchor_dir:
-        raise ConfigError(f"{where}: anchor_coef > 0 needs anchor_dir (a spool folder of demonstration groups; "
+    if config.anchor.coef > 0 and not config.anchor_dir:
+        raise ConfigError(f"{where}: anchor.coef > 0 needs anchor_dir (a spool folder of demonstration groups; "
                           "agentrl train fills it from the SFT cold start)")
-    if config.publish_every and not config.server_urls:
-        raise ConfigError(f"{where}: publish_every > 0 needs server_urls (the vLLM servers to push to); "
-                          "or set publish_every = 0")
+    if config.publish.every and not config.server_urls:
+        raise ConfigError(f"{where}: publish.every > 0 needs server_urls (the vLLM servers to push to); "
+                          "or set publish.every = 0")
 
 
 CARRIED_COUNTS = ("groups/dropped_equal_rewards", "groups/dropped_too_small", "samples/failed",
@@ -145,7 +145,7 @@ class Learner:
         state = self.ranks.checkpoint_state()
         state = {**state, "scheduler": self.ranks.trainer.scheduler.state_dict(), "step": self.step,
                  "version": self.step, "ledger": self.intake.ledger.to_dict()}
-        path = save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.config.keep_checkpoints)
+        path = save_checkpoint(self.out / "checkpoints", self.step, state, keep=self.config.checkpoint.keep)
         self.intake.prune()
         return path
 
@@ -178,13 +178,13 @@ class Learner:
         record["groups/refused"] = self.intake.receiver.num_malformed + self.intake.num_replay_rejected
         record["group_ids"] = batch.kept_group_ids
         record["rejected_group_ids"], self._unreported_rejected = self._unreported_rejected, []
-        if self.config.publish_every and self.step % self.config.publish_every == 0:
+        if self.config.publish.every and self.step % self.config.publish.every == 0:
             record |= await self._publish()
         served = self.publisher.served_version if self.publisher else 0
         if self.version_pub is not None:
             await self.version_pub.publish(self.step, served)
         record["served_version"] = served
-        if self.step % self.config.checkpoint_every == 0:
+        if self.step % self.config.checkpoint.every == 0:
             t1 = time.perf_counter()
             self.checkpoint()
             record["time/checkpoint_s"] = time.perf_counter() - t1
@@ -266,7 +266,7 @@ class Learner:
         return publisher.served_version
 
     async def _query_served_version(self) -> int:
-        """Without pushes (publish_every = 0): the oldest version among the servers that answer."""
+        """Without pushes (publish.every = 0): the oldest version among the servers that answer."""
         probe = WeightPublisher(self.config.server_urls)
         probe.served_version = self.step
         await self.ranks.keepalive(probe.probe())
@@ -280,8 +280,8 @@ class Learner:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         intake = self.start_training()
-        self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.kv_refresh_every, transport=cfg.weight_transport)
-                          if cfg.publish_every else None)
+        self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.publish.kv_refresh_every, transport=cfg.publish.transport)
+                          if cfg.publish.every else None)
         self.version_pub = VersionPublisher(cfg.version_endpoint, curve=cfg.curve_keys()) if cfg.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
@@ -327,9 +327,9 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(args.config)
         check_runnable(config, str(args.config))
-        if launched_world_size() > 1 and config.anchor_coef > 0:
-            raise ConfigError(f"{args.config}: anchor_coef > 0 runs in one learner process; under torchrun the ranks do "
-                              "not share the anchor's demonstrations yet (set anchor_coef = 0)")
+        if launched_world_size() > 1 and config.anchor.coef > 0:
+            raise ConfigError(f"{args.config}: anchor.coef > 0 runs in one learner process; under torchrun the ranks do "
+                              "not share the anchor's demonstrations yet (set anchor.coef = 0)")
         device = resolve_device(config.device)
     except (ConfigError, RuntimeError) as err:
         print(f"agentrl learner: bad config: {err}", file=sys.stderr)

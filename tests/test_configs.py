@@ -273,7 +273,7 @@ def test_relative_paths_in_a_config_file_are_taken_from_its_folder_and_set_value
     (env_dir / "config.toml").write_text(
         '[env]\nclass = "arithmetic.py:ArithmeticEnv"\n[tasks]\nloader = "jsonl"\n[tasks.options]\nheldout = "heldout.jsonl"\n'
         '[services]\ntools = []\n[[tools]]\ncommand = ["python", "tools.py", "--bind", "{bind}"]\n'
-        '[sft]\nenabled = false\n[learner]\nanchor_coef = 0.0\n')
+        '[sft]\nenabled = false\n[learner]\nanchor.coef = 0.0\n')
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -313,10 +313,13 @@ def test_command_line_options_are_checked_like_a_config_file():
         from_options(GatewayConfig, "agentrl gateway", renderer="jinja")
 
 
-@pytest.mark.parametrize("old, new", [("vllm_dtype", "vllm_server.dtype"), ("max_model_len", "vllm_server.max_model_len"),
-                                      ("kv_cache_gib", "vllm_server.kv_cache_gib")])
-def test_a_key_that_moved_is_refused_naming_where_it_went(tmp_path, old, new):
+@pytest.mark.parametrize("table, old, new", [
+    ("services", "vllm_dtype", "vllm_server.dtype"), ("services", "max_model_len", "vllm_server.max_model_len"),
+    ("services", "kv_cache_gib", "vllm_server.kv_cache_gib"), ("learner", "anchor_coef", "anchor.coef"),
+    ("learner", "publish_every", "publish.every"), ("learner", "kv_refresh_every", "publish.kv_refresh_every"),
+    ("sft.learner", "checkpoint_every", "checkpoint.every")])
+def test_a_key_that_moved_is_refused_naming_where_it_went(tmp_path, table, old, new):
     config = tmp_path / "old.toml"
-    config.write_text(f"[services]\n{old} = 1\n")
-    with pytest.raises(ConfigError, match=rf"old.toml: services.{old}: this key moved; write it as services.{new}$"):
+    config.write_text(f"[{table}]\n{old} = 1\n")
+    with pytest.raises(ConfigError, match=rf"old.toml: {table}.{old}: this key moved; write it as {table}.{new}$"):
         load_run_config(config)

@@ -109,18 +109,18 @@ def test_anchor_reads_a_spool_folder_through_the_receivers_checks(tmp_path):
 
 
 def test_anchor_config_rules(tmp_path):
-    with pytest.raises(ValueError, match="anchor_coef=-0.1 must be >= 0"):
-        LearnerConfig(anchor_coef=-0.1)
+    with pytest.raises(ValueError, match="coef=-0.1 must be >= 0"):
+        LearnerConfig(anchor={"coef": -0.1})
     with pytest.raises(ValueError, match="for mode = 'rl'"):
-        LearnerConfig(mode="sft", anchor_coef=0.1)
-    with pytest.raises(ConfigError, match="anchor_coef > 0 needs anchor_dir"):
-        check_runnable(LearnerConfig(output_dir=str(tmp_path), publish_every=0, anchor_coef=0.1))
+        LearnerConfig(mode="sft", anchor={"coef": 0.1})
+    with pytest.raises(ConfigError, match="anchor.coef > 0 needs anchor_dir"):
+        check_runnable(LearnerConfig(output_dir=str(tmp_path), publish={"every": 0}, anchor={"coef": 0.1}))
     # A run: the anchor needs the SFT cold start, whose learner runs without it; agentrl train fills anchor_dir.
     with pytest.raises(ConfigError, match="needs sft.enabled = true"):
-        load_run_config(sets=["learner.anchor_coef=0.1", "sft.enabled=false"])
+        load_run_config(sets=["learner.anchor.coef=0.1", "sft.enabled=false"])
     with pytest.raises(ConfigError, match="anchor_dir: set by agentrl train"):
-        load_run_config(sets=["learner.anchor_coef=0.1", f"learner.anchor_dir={str(tmp_path)!r}"])
-    assert load_run_config(sets=["learner.anchor_coef=0.1"]).config.learner.anchor_coef == 0.1
+        load_run_config(sets=["learner.anchor.coef=0.1", f"learner.anchor_dir={str(tmp_path)!r}"])
+    assert load_run_config(sets=["learner.anchor.coef=0.1"]).config.learner.anchor.coef == 0.1
 
 
 def test_anchor_skips_demonstrations_without_action_tokens_and_a_restart_takes_a_new_order(tmp_path):

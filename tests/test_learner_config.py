@@ -14,7 +14,7 @@ output_dir = "{out}"
 tokens_per_step = 4096
 max_steps = 10
 staleness_bound = 2
-publish_every = 2
+publish.every = 2
 server_urls = ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
 
 [trainer]
@@ -48,15 +48,21 @@ def test_full_config_parses_into_typed_dataclasses(tmp_path):
     assert config.trainer.loss.eps_high == 0.3 and config.trainer.advantage.estimator == "rloo"
     assert config.trainer.train_layers == 4 and config.reward_schedule.num_steps == 50
     assert config.server_urls == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+    assert (config.publish.every, config.publish.kv_refresh_every, config.checkpoint.every) == (2, 1, 10)
 
 
 @pytest.mark.parametrize("text, message", [
     ('output_dir = "x"\nlearning_rate = 1', "learning_rate: unknown key; accepted keys here: output_dir, model_dir"),
     ('output_dir = "x"\n[trainer.optimizer]\nlrr = 1', r"trainer.optimizer.lrr: unknown key; accepted keys here: lr, betas"),
-    ('output_dir = "x"\npublish_every = 0\n[trainer.advantage]\nestimator = "ppo"',
+    ('output_dir = "x"\npublish.every = 0\n[trainer.advantage]\nestimator = "ppo"',
      r"trainer.advantage.estimator: Input should be 'grpo', 'dr_grpo'.* \(got \"ppo\"\)"),
     ('output_dir = "x"\ntokens_per_step = "8192"', r"tokens_per_step: Input should be a valid integer \(got \"8192\"\)"),
     ('output_dir = "x"\ntokens_per_step = 0', "bad.toml: tokens_per_step: 0 must be > 0"),
+    # Keys of an older layout are refused naming where they went.
+    ('output_dir = "x"\npublish_every = 2', "bad.toml: publish_every: this key moved; write it as publish.every$"),
+    ('output_dir = "x"\nanchor_coef = 0.1', "bad.toml: anchor_coef: this key moved; write it as anchor.coef$"),
+    ('output_dir = "x"\nweight_transport = "stream"', "bad.toml: weight_transport: this key moved; write it as publish.transport$"),
+    ('output_dir = "x"\n[checkpoint]\nevery = 0', "bad.toml: checkpoint.every: every \\(0\\) must be > 0"),
 ])
 def test_bad_config_fails_early_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -67,7 +73,7 @@ def test_bad_config_fails_early_with_the_fix(tmp_path, text, message):
 
 def test_a_learner_that_publishes_needs_servers(tmp_path):
     with pytest.raises(ValueError, match="needs server_urls"):
-        Learner(LearnerConfig(output_dir=str(tmp_path), publish_every=1))
+        Learner(LearnerConfig(output_dir=str(tmp_path), publish={"every": 1}))
 
 
 def _traj(index, versions, reward):
@@ -77,7 +83,7 @@ def _traj(index, versions, reward):
 
 
 def test_stale_samples_are_rejected_and_reported(tmp_path):
-    learner = Learner(LearnerConfig(output_dir=str(tmp_path), publish_every=0, staleness_bound=2))
+    learner = Learner(LearnerConfig(output_dir=str(tmp_path), publish={"every": 0}, staleness_bound=2))
     learner.step = 5
     mixed = TrajectoryGroup("mixed", "t", [_traj(0, [5, 5, 4, 4], 1.0), _traj(1, [3, 3, 3, 3], 0.0),
                                            _traj(2, [2, 2, 5, 5], 1.0)])  # sample 2 has tokens 3 versions old

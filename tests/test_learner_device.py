@@ -49,7 +49,7 @@ def test_cuda_needs_a_gpu_per_rank():
 
 def test_unknown_device_is_refused_when_the_config_loads(tmp_path):
     path = tmp_path / "learner.toml"
-    path.write_text(f'output_dir = "{tmp_path}"\npublish_every = 0\ndevice = "gpu"\n')
+    path.write_text(f'output_dir = "{tmp_path}"\npublish.every = 0\ndevice = "gpu"\n')
     with pytest.raises(ValueError, match=r"learner.toml: device: Input should be 'auto', 'cpu' or 'cuda' \(got \"gpu\"\)"):
         load_config(path)
 
@@ -57,13 +57,13 @@ def test_unknown_device_is_refused_when_the_config_loads(tmp_path):
 @NO_CUDA
 def test_auto_is_the_cpu_here_and_cuda_fails_at_start_with_the_fix(tmp_path, capsys):
     assert resolve_device("auto") == torch.device("cpu")
-    assert Learner(LearnerConfig(output_dir=str(tmp_path / "a"), publish_every=0)).ranks.device == torch.device("cpu")
+    assert Learner(LearnerConfig(output_dir=str(tmp_path / "a"), publish={"every": 0})).ranks.device == torch.device("cpu")
     # The config itself is valid anywhere (a supervisor may read it on another host); the learner refuses at start.
-    config = LearnerConfig(output_dir=str(tmp_path / "b"), publish_every=0, device="cuda")
+    config = LearnerConfig(output_dir=str(tmp_path / "b"), publish={"every": 0}, device="cuda")
     with pytest.raises(RuntimeError, match="torch sees no CUDA device.*set device = 'cpu'"):
         Learner(config)
     path = tmp_path / "learner.toml"
-    path.write_text(f'output_dir = "{tmp_path / "c"}"\npublish_every = 0\ndevice = "cuda"\n')
+    path.write_text(f'output_dir = "{tmp_path / "c"}"\npublish.every = 0\ndevice = "cuda"\n')
     assert main(["--config", str(path)]) == 2
     assert "bad config: device = 'cuda' but torch sees no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()  # refused before anything was created
@@ -105,7 +105,7 @@ def _config(tmp_path, model_dir, device: str, estimator: str, precision: str) ->
     trainer = TrainerConfig(precision=precision, max_row_tokens=48, advantage=AdvantageConfig(estimator),
                             optimizer=OptimizerConfig(lr=1e-3, grad_clip=1.0),
                             loss=PolicyLossConfig(kl_coef=0.05 if kl else 0.0))
-    return LearnerConfig(output_dir=str(tmp_path), model_dir=str(model_dir), publish_every=0, version_endpoint=None,
+    return LearnerConfig(output_dir=str(tmp_path), model_dir=str(model_dir), publish={"every": 0}, version_endpoint=None,
                          kl_reference=kl, trainer=trainer, device=device, tensorboard=False, progress_bar=False)
 
 

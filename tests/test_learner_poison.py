@@ -337,7 +337,7 @@ async def test_the_learner_skips_a_nonfinite_update_records_it_and_goes_on(tmp_p
 
     model_dir = tmp_path / "model"
     tiny_llama(128, seed=0).save_pretrained(model_dir)
-    config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish_every=0,
+    config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish={"every": 0},
                            version_endpoint=None, group_endpoint=endpoint(), tensorboard=False, progress_bar=False,
                            trainer=TrainerConfig(precision="fp32", optimizer=OptimizerConfig(lr=1e-3)))
     learner = Learner(config)
@@ -380,7 +380,7 @@ async def test_a_batch_that_trains_nothing_adds_its_wait_and_drops_to_the_next_s
 
     model_dir = tmp_path / "model"
     tiny_llama(128, seed=0).save_pretrained(model_dir)
-    config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish_every=0,
+    config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish={"every": 0},
                            version_endpoint=None, group_endpoint=endpoint(), tensorboard=False, progress_bar=False,
                            trainer=TrainerConfig(precision="fp32", optimizer=OptimizerConfig(lr=1e-3),
                                                  advantage=AdvantageConfig(dynamic_sampling=True)))
@@ -425,7 +425,7 @@ output_dir = "{run_dir}"
 model_dir = "{model_dir}"
 tokens_per_step = 100
 max_steps = 3
-publish_every = 0
+publish.every = 0
 staleness_bound = 100
 group_endpoint = "{ep}"
 version_endpoint = "{endpoint()}"

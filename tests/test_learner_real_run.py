@@ -99,7 +99,7 @@ async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_
     config = write_learner_config(
         tmp_path / "learner.toml", vllm_server, run_dir=run_dir, group_endpoint=group_endpoint,
         version_endpoint=version_endpoint, lr=1e-5, trainer="max_row_tokens = 4096",
-        top=f"max_steps = {NUM_STEPS}\npublish_every = 1\ncheckpoint_every = {NUM_STEPS}\nstaleness_bound = 4\ntensorboard = true")
+        top=f"max_steps = {NUM_STEPS}\npublish.every = 1\ncheckpoint.every = {NUM_STEPS}\nstaleness_bound = 4\ntensorboard = true")
     async with VLLMClient(vllm_server.base_url) as client:
         version_before = await client.weight_version()
     search = start_toolserver("search", "tcp://127.0.0.1:*", "--corpus", str(corpus))
@@ -151,7 +151,7 @@ async def test_learner_trains_on_real_rollouts_and_served_version_advances(vllm_
 
 
 async def test_a_stopped_sft_learner_serves_the_step_it_reached(vllm_server, tokenizer, model_dir, tmp_path):
-    """An SFT learner pushes only at its last step (`publish_every = steps`); stopped earlier (SIGTERM:
+    """An SFT learner pushes only at its last step (`publish.every = steps`); stopped earlier (SIGTERM:
     the run's SFT time limit), it checkpoints and pushes the step it reached, so the SFT evaluation
     and the RL learner that starts from the checkpoint see the same weights."""
     import signal
@@ -186,7 +186,7 @@ async def test_a_stopped_sft_learner_serves_the_step_it_reached(vllm_server, tok
     config = write_learner_config(
         tmp_path / "learner.toml", vllm_server, run_dir=run_dir, group_endpoint=group_endpoint,
         version_endpoint=f"tcp://127.0.0.1:{_free_port()}", lr=1e-4,
-        top='mode = "sft"\nmax_steps = 50\npublish_every = 50\ncheckpoint_every = 50\ntensorboard = false')
+        top='mode = "sft"\nmax_steps = 50\npublish.every = 50\ncheckpoint.every = 50\ntensorboard = false')
     async with VLLMClient(vllm_server.base_url) as client:
         version_before = await client.weight_version()
     sender = GroupSender(group_endpoint)

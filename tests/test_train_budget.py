@@ -276,7 +276,7 @@ async def test_an_sft_phase_without_time_is_skipped_before_a_learner_starts(tmp_
 
     calls: list[str] = []
     supervisor = _fake_supervisor(tmp_path, 0, monkeypatch, calls)
-    supervisor.config.learner.anchor_coef = 0.0
+    supervisor.config.learner.anchor.coef = 0.0
     supervisor.config.minutes = 28.0
 
     async def demonstrations():

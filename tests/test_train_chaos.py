@@ -40,9 +40,9 @@ max_staleness = 2
 [sft]
 enabled = false
 [learner]
-anchor_coef = 0.0  # the demonstration anchor trains on the SFT cold start's demonstrations: none here
+anchor.coef = 0.0  # the demonstration anchor trains on the SFT cold start's demonstrations: none here
 tokens_per_step = 2048
-checkpoint_every = 1
+checkpoint.every = 1
 staleness_bound = 8
 [learner.trainer]
 train_layers = 1

@@ -58,10 +58,10 @@ steps = 2
 tokens_per_step = 2048
 [learner]
 tokens_per_step = 2048
-checkpoint_every = 1
+checkpoint.every = 1
 staleness_bound = 8
-anchor_coef = 0.1  # the SFT demonstrations trained beside each RL step, through the learner's restart
-anchor_tokens_per_step = 512
+anchor.coef = 0.1  # the SFT demonstrations trained beside each RL step, through the learner's restart
+anchor.tokens_per_step = 512
 [learner.trainer]
 train_layers = 1
 train_embeddings = false

@@ -50,7 +50,7 @@ steps = 2
 tokens_per_step = 2048
 [learner]
 tokens_per_step = 2048
-anchor_coef = 0.0
+anchor.coef = 0.0
 [learner.trainer]
 train_layers = 1
 max_row_tokens = 2048

@@ -215,7 +215,7 @@ def test_run_side_reads_the_last_json_line_and_reports_a_failing_side(tmp_path):
 
 @pytest.mark.parametrize("option", ["env.options.retrieval_reward=1.0", "env.options.progress_note=true",
                                     "learner.trainer.advantage.dynamic_sampling=true", "learner.trainer.train_layers=all",
-                                    "learner.anchor_coef=0.3"])
+                                    "learner.anchor.coef=0.3"])
 def test_export_refuses_what_the_trl_side_cannot_restate(tmp_path, option):
     config = vs_trl.comparison_config(1.0, extra_sets=(option,))
     with pytest.raises(ValueError, match="the TRL side"):

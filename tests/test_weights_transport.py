@@ -78,7 +78,7 @@ async def test_pushes_reach_a_server_that_cannot_read_this_hosts_files_only_by_s
         # shm: the server is handed a path it cannot open; the error says which transport reaches it.
         with pytest.raises(WeightPushError, match="transport 'stream'") as refused:
             await push_weights(url, update, version0 + 1, transport="shm")
-        assert "learner.weight_transport" in str(refused.value)
+        assert "learner.publish.transport" in str(refused.value)
         assert await _greedy(client, ids) == before and await client.weight_version() == version0
 
         # A push that loses its connection half way is refused; nothing is staged or applied.

@@ -23,7 +23,7 @@ A push, in order:
    labels then understate staleness: the shared prompt's prefix-cache blocks are hit by every
    request and never evicted, so without a periodic full clear new episodes would condition on
    prompt keys from arbitrarily old weights. The learner therefore clears fully every
-   `kv_refresh_every` pushes (learner/publish.py), which bounds the age of reused keys to that many
+   `publish.kv_refresh_every` pushes (learner/publish.py), which bounds the age of reused keys to that many
    versions. It matters on CPU: recomputing ~16 in-flight 600-token contexts costs the 2-core
    server ~20 s of prefill per push, more than the time between pushes when an evaluation's 96
    requests are in flight too. Call `reset_kv_cache` before a measurement that must see only the
@@ -276,7 +276,7 @@ async def push_weights(
                     raise WeightPushError(
                         f"{err} (the 'shm' transport hands the server a path on this host, and the server at "
                         f"{base_url} cannot read it: it runs on another host or in another mount namespace; push "
-                        "with transport 'stream': learner.weight_transport = \"stream\", or --transport stream)") from None
+                        "with transport 'stream': learner.publish.transport = \"stream\", or --transport stream)") from None
                 raise
             finally:
                 if how == "stream":  # staged (read into the worker) or refused: the server's copy can go
