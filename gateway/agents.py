@@ -65,8 +65,9 @@ from agentrl.engine.env import CallRecord, EpisodeState, ToolEnv, format_content
 from agentrl.engine.services import find_program
 from agentrl.engine.task import Task
 from agentrl.engine.tools import ToolUnavailable
+from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.protocol import GatewayError
-from agentrl.gateway.server import Gateway, GatewayConfig
+from agentrl.gateway.server import Gateway
 from agentrl.gateway.sessions import session_trajectories
 
 API_KEY = "agentrl"

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         model_dir = str(resolve_model(args.model))
         max_model_len = args.max_model_len or 4096
     from agentrl.common.config import ConfigError, from_options
-    from agentrl.gateway.server import GatewayConfig
+    from agentrl.gateway.config import GatewayConfig
 
     try:  # checked before any server starts
         config = from_options(GatewayConfig, "agentrl gateway", host=args.host, port=args.port,

@@ -375,3 +375,9 @@ class TemplateRenderer:
                 raise GatewayError(500, "the forced tool-call prefill does not tokenize on its own boundary with this template",
                                    code="prefill_boundary")
         return out
+
+
+def template_handles_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a `tools` list (the "auto" renderer's choice)."""
+    template = tokenizer.chat_template
+    return isinstance(template, str) and "tools" in template

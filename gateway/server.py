@@ -24,15 +24,9 @@ Endpoints (each also under a per-session base URL `/s/{session}/v1/...`):
   If the model still writes no valid call, the answer has no `tool_calls` and finish_reason "stop".
 `parallel_tool_calls: false` answers the first call only (all sampled ids are still recorded).
 
-Streaming: the turn is generated whole (a failed server's turn is regenerated whole by the pool, so
-nothing is streamed that a failover would take back), then sent as SSE chunks: the role, the content
-in pieces, each tool call (id and name, then its arguments in pieces), the finish reason, the usage
-chunk when `stream_options.include_usage`, and `[DONE]`. Time to first chunk is the turn's latency.
-
-Cut and stop: generation stops on the renderer's end-of-turn ids. When calls are parsed, the
-action is cut where the family's parser says it ends (after the last call, before an imagined tool
-response), as the native env cuts: the kept ids are an exact prefix of what was sampled and are
-what `usage.completion_tokens` counts and the session records.
+Streaming (gateway/answers.py): the turn is generated whole, then sent as SSE chunks. Cut and stop
+(gateway/turns.py): the kept ids are an exact prefix of what was sampled, cut where the family's
+parser says the action ends. The config: gateway/config.py.
 
 Exactness checks: one recalled completion in `render_check_every` is rendered again from its text
 and compared with its sampled ids (`num_render_checks`, `num_render_drifts`, a warning naming the
@@ -51,102 +45,38 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
-from agentrl.common.config import config_dataclass
 from agentrl.common.inference import InferenceServerError, InferenceServerUnavailable, SamplingParams
-from agentrl.engine.parsers import TOOL_CALL_PARSERS, cut_action, detect_tool_call_format
+from agentrl.engine.parsers import TOOL_CALL_PARSERS, detect_tool_call_format
 from agentrl.gateway import protocol as P
+from agentrl.gateway.answers import (
+    chat_completion,
+    chat_logprobs,
+    chat_stream,
+    completion_stream,
+    json_response,
+)
+from agentrl.gateway.config import GatewayConfig
 from agentrl.gateway.http import BodyTooLarge, HTTPServer, Request, Response
-from agentrl.gateway.render import ChatMLRenderer, Rendered, TemplateRenderer, ToolList, forced_prefill
+from agentrl.gateway.render import (
+    ChatMLRenderer,
+    Rendered,
+    TemplateRenderer,
+    ToolList,
+    forced_prefill,
+    template_handles_tools,
+)
 from agentrl.gateway.sessions import Session, SessionStore
+from agentrl.gateway.turns import Turn, chat_turn
 
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Agentrl-Session"
 _SESSION_HEADER_KEY = SESSION_HEADER.lower()  # gateway.http's headers are keyed by lower-cased names
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
-_ENCODER = msgspec.json.Encoder()
-
-
-@config_dataclass
-class GatewayConfig:
-    """The OpenAI-compatible gateway (`agentrl gateway`, and the one `agentrl train` starts for agent commands)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8100
-    """0 picks a free port (the bound URL is printed and returned by `start`)."""
-    served_model_name: str | None = None
-    """The `model` clients send; None: the model folder's name."""
-    max_model_len: int = 4096
-    """Prompt + completion limit of the inference servers, tokens."""
-    tool_parser: str = "auto"
-    """"hermes" | "llama3_json" | "mistral" | "auto" (from the tokenizer's vocabulary)."""
-    renderer: Literal["auto", "chatml", "template"] = "auto"
-    """"chatml" (agentrl's ids-first ChatML/Hermes layout), "template" (the tokenizer's Jinja
-    template) or "auto": "template" when the template handles `tools`, else "chatml"."""
-    session_idle_s: float = 600.0
-    """A session idle this long (no request in flight) is expired, seconds."""
-    max_sessions: int = 16384
-    """Open sessions at most; one more is refused with 429."""
-    sweep_interval_s: float | None = None
-    """How often idle sessions are looked for, seconds; None: min(10, session_idle_s / 2)."""
-    max_body_bytes: int = 32 * 2**20
-    """Largest request body; beyond it the request is refused with 413."""
-    default_temperature: float = 1.0
-    """Temperature when a request sends none (OpenAI's default)."""
-    gc_threshold0: int | None = 100_000
-    """Young-generation threshold of the cyclic garbage collector while serving (CPython's default:
-    700); None leaves it alone. With 1,024 sessions open the default collector re-traverses their
-    records again and again: measured in benchmarks/gateway.py, 844 CPU us per turn at the default
-    against 607 at 100,000. Request handling frees its objects by reference counting."""
-    shutdown_grace_s: float = 5.0
-    """On stop, how long requests in flight may still run before they are cancelled, seconds."""
-    render_check_every: int = 8
-    """Re-render one recalled completion in this many from its text and compare with its sampled
-    ids (1: every one; 0: never); a difference counts in `num_render_drifts` and logs the first
-    differing prompt position. A check costs one tokenizer encode, ~40 to 55 us for a 30-token
-    call, a sixth of the gateway's whole CPU per turn (~350 us in benchmarks/gateway.py); a
-    rendering mismatch is systematic (a format, not a sample), so one in 8 finds it within a few
-    turns. Training never depends on it: recalled completions enter prompts as their recorded ids
-    either way."""
-
-    def __post_init__(self) -> None:
-        if self.tool_parser != "auto" and self.tool_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_parser: must be 'auto' or one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_parser!r}")
-        if self.render_check_every < 0:
-            raise ValueError(f"render_check_every: must be >= 0, got {self.render_check_every}")
-        if self.gc_threshold0 is not None and self.gc_threshold0 < 1:
-            raise ValueError(f"gc_threshold0: must be >= 1 (or not set), got {self.gc_threshold0}")
-        if self.max_model_len < 2 or self.max_sessions < 1:
-            raise ValueError("max_model_len: needs max_model_len >= 2 and max_sessions >= 1")
-        if self.session_idle_s <= 0 or (self.sweep_interval_s is not None and self.sweep_interval_s <= 0):
-            raise ValueError("session_idle_s: needs session_idle_s > 0 and sweep_interval_s > 0")
-        if not 0 <= self.port <= 65535 or self.max_body_bytes < 1 or self.shutdown_grace_s < 0:
-            raise ValueError("port: needs 0 <= port <= 65535, max_body_bytes >= 1 and shutdown_grace_s >= 0")
-
-
-def template_handles_tools(tokenizer) -> bool:
-    template = tokenizer.chat_template
-    return isinstance(template, str) and "tools" in template
-
-
-@dataclass
-class _Turn:
-    """One generated turn, after the stop / cut rules: what is answered and recorded."""
-
-    ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    text: str
-    """The assistant message's whole text: forced-call prefill + decoded kept ids (stop id not shown)."""
-    content: str | None
-    tool_calls: list[dict]
-    finish_reason: str
 
 
 class Gateway:
@@ -265,7 +195,7 @@ class Gateway:
     def _http_error(self, status: int, message: str) -> Response:
         """The answer to a request that is not HTTP (400, 431, 501) or to a handler bug (500)."""
         self.stats["num_client_errors" if status < 500 else "num_internal_errors"] += 1
-        return _json(P.GatewayError(status, message, code="bad_http_request" if status < 500 else "internal_error").body(), status)
+        return json_response(P.GatewayError(status, message, code="bad_http_request" if status < 500 else "internal_error").body(), status)
 
     async def _handle(self, request: Request) -> Response:
         """Every request: route, run, and answer any refusal as OpenAI's error JSON."""
@@ -276,42 +206,42 @@ class Gateway:
         except P.GatewayError as err:
             self.stats["num_upstream_errors" if err.status in (502, 503) else
                        "num_client_errors" if err.status < 500 else "num_internal_errors"] += 1
-            return _json(err.body(), err.status)
+            return json_response(err.body(), err.status)
         except BodyTooLarge:
             self.stats["num_client_errors"] += 1
             message = f"the request body is larger than the gateway's limit of {self.config.max_body_bytes} bytes"
-            return _json(P.GatewayError(413, message, code="body_too_large").body(), 413)
+            return json_response(P.GatewayError(413, message, code="body_too_large").body(), 413)
         except Exception as err:  # a bug: answered, counted and logged with its traceback; the gateway keeps serving
             self.stats["num_internal_errors"] += 1
             log.exception("internal error on %s %s", request.method, request.path)
-            return _json(P.GatewayError(500, f"internal gateway error: {type(err).__name__}: {err}", code="internal_error").body(), 500)
+            return json_response(P.GatewayError(500, f"internal gateway error: {type(err).__name__}: {err}", code="internal_error").body(), 500)
 
     async def _health(self, request: Request, session_id: str | None) -> Response:
         if self._sweeper_error is not None:
-            return _json({"status": f"the session sweeper stopped: {self._sweeper_error}"}, 503)
-        return _json({"status": "ok"})
+            return json_response({"status": f"the session sweeper stopped: {self._sweeper_error}"}, 503)
+        return json_response({"status": "ok"})
 
     async def _stats(self, request: Request, session_id: str | None) -> Response:
         s = self.sessions
-        return _json({**self.stats, "num_sessions_open": len(s), "num_sessions_opened": s.num_opened,
+        return json_response({**self.stats, "num_sessions_open": len(s), "num_sessions_opened": s.num_opened,
                       "num_sessions_closed": s.num_closed, "num_sessions_expired": s.num_expired,
                       "renderer": self.renderer.name, "tool_parser": self.family, "model": self.model_name})
 
     async def _models(self, request: Request, session_id: str | None) -> Response:
-        return _json({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+        return json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                   "owned_by": "agentrl", "max_model_len": self.config.max_model_len}]})
 
     async def _list_sessions(self, request: Request, session_id: str | None) -> Response:
-        return _json({"sessions": self.sessions.ids(), "num_open": len(self.sessions)})
+        return json_response({"sessions": self.sessions.ids(), "num_open": len(self.sessions)})
 
     async def _get_session(self, request: Request, session_id: str) -> Response:
-        return _json(self.sessions.get(session_id).to_record())
+        return json_response(self.sessions.get(session_id).to_record())
 
     async def _close_session(self, request: Request, session_id: str) -> Response:
-        return _json(self.sessions.close(session_id))
+        return json_response(self.sessions.close(session_id))
 
     async def _list_tools(self, request: Request, session_id: str | None) -> Response:
-        return _json({"tools": self.tools.schemas()})
+        return json_response({"tools": self.tools.schemas()})
 
     async def _call_tool(self, request: Request, session_in_path: str | None) -> Response:
         session_id = self._session_id(request, session_in_path)
@@ -326,7 +256,7 @@ class Gateway:
         if session is not None:
             session.in_flight += 1
         try:
-            return _json(await self.tools.call(session_id, name, arguments))
+            return json_response(await self.tools.call(session_id, name, arguments))
         finally:
             if session is not None:
                 session.in_flight -= 1
@@ -410,7 +340,8 @@ class Gateway:
                                     temperature=self.config.default_temperature if req.temperature is None else req.temperature,
                                     stop_token_ids=self.renderer.stop_token_ids, seed=req.seed)
             generation = await self._generate(rendered.token_ids, params)
-            turn = self._chat_turn(generation, rendered, choice, req.parallel_tool_calls is not False)
+            turn = chat_turn(generation, rendered, choice, parallel=req.parallel_tool_calls is not False, parser=self.parser,
+                             stop_ids=self._stop_ids, decode=self._decode)
             if session is not None:
                 self._record_chat(session, req.messages, rendered, turn, tools, choice)
         finally:
@@ -423,45 +354,13 @@ class Gateway:
         completion_id = "chatcmpl-" + os.urandom(12).hex()
         if req.stream:
             include_usage = req.stream_options is not None and bool(req.stream_options.include_usage)
-            return self._stream_chat(completion_id, turn, usage if include_usage else None)
-        message: dict = {"role": "assistant", "content": turn.content}
-        if turn.tool_calls:
-            message["tool_calls"] = turn.tool_calls
-        body = {"id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(turn) if req.logprobs else None,
-                             "finish_reason": turn.finish_reason}],
-                "usage": usage}
-        return _json(body)
+            return chat_stream(completion_id, self.model_name, turn, usage if include_usage else None)
+        return chat_completion(completion_id, self.model_name, turn, usage, chat_logprobs(turn, self._decode) if req.logprobs else None)
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=False)
 
-    def _chat_turn(self, generation, rendered: Rendered, choice: P.ToolChoice, parallel: bool) -> _Turn:
-        ids, logprobs, versions = generation.token_ids, generation.logprobs, generation.versions
-        stopped = bool(ids) and ids[-1] in self._stop_ids
-        prefill = self._decode(rendered.prefill_ids) if rendered.prefill_ids else ""
-        sampled_text = self._decode(ids[:-1] if stopped else ids)
-        text = prefill + sampled_text
-        finish = "length" if generation.finish_reason == "length" else "stop"
-        if not choice.parse_calls:
-            return _Turn(ids, logprobs, versions, text, text, [], finish)
-        keep = cut_action(self.parser, ids[:-1] if stopped else ids, sampled_text, self._decode, prefill)
-        if keep is not None:
-            ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
-            text = prefill + self._decode(ids)
-            finish = "stop"  # the action ended where the parser says; what followed it is dropped
-        parsed = self.parser.parse(text)
-        calls = parsed.calls if parallel else parsed.calls[:1]
-        if not calls:
-            return _Turn(ids, logprobs, versions, text, text, [], finish)
-        content = text
-        for call in parsed.calls:
-            content = content.replace(call.raw, "", 1)
-        tool_calls = [{"id": "call_" + os.urandom(12).hex(), "type": "function",
-                       "function": {"name": call.name, "arguments": _ENCODER.encode(call.arguments).decode()}} for call in calls]
-        return _Turn(ids, logprobs, versions, text, content.strip() or None, tool_calls, "tool_calls")
-
-    def _record_chat(self, session: Session, messages, rendered: Rendered, turn: _Turn, tools, choice) -> None:
+    def _record_chat(self, session: Session, messages, rendered: Rendered, turn: Turn, tools, choice) -> None:
         c = session.counters
         c.num_spliced_messages += len(rendered.spliced)
         c.num_unrecognised_assistant += rendered.num_unrecognised
@@ -494,32 +393,6 @@ class Gateway:
         log.warning("session %s: the history rendered from text differs from the recorded ids at prompt position %d "
                     "(messages[%s]; recorded id %s %r); the recorded ids are kept", session.id, position, index, sampled,
                     self._decode([sampled]) if sampled is not None else "")
-
-    def _chat_logprobs(self, turn: _Turn) -> dict:
-        content = []
-        for token_id, logprob in zip(turn.ids, turn.logprobs, strict=True):
-            token = self._decode([token_id])
-            content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
-        return {"content": content}
-
-    def _stream_chat(self, completion_id: str, turn: _Turn, usage: dict | None) -> Response:
-        base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model_name}
-
-        def chunk(delta: dict, finish_reason: str | None = None) -> bytes:
-            body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-            return b"data: " + _ENCODER.encode(body) + b"\n\n"
-
-        events = [chunk({"role": "assistant", "content": ""})]
-        events += [chunk({"content": piece}) for piece in _pieces(turn.content or "")]
-        for k, call in enumerate(turn.tool_calls):
-            events.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-            events += [chunk({"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
-                       for piece in _pieces(call["function"]["arguments"])]
-        events.append(chunk({}, turn.finish_reason))
-        if usage is not None:
-            events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
-        return _event_stream(events)
 
     async def _completions(self, request: Request, session_in_path: str | None) -> Response:
         session_id = self._session_id(request, session_in_path)
@@ -565,32 +438,5 @@ class Gateway:
         body = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": usage}
         if not req.stream:
-            return _json(body)
-        base = {k: body[k] for k in ("id", "object", "created", "model")}
-        events = [b"data: " + _ENCODER.encode({**base, "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}]})
-                  + b"\n\n" for piece in _pieces(text)]
-        events.append(b"data: " + _ENCODER.encode({**base, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish}]})
-                      + b"\n\n")
-        if req.stream_options is not None and req.stream_options.include_usage:
-            events.append(b"data: " + _ENCODER.encode({**base, "choices": [], "usage": usage}) + b"\n\n")
-        return _event_stream(events)
-
-
-def _event_stream(events: list[bytes]) -> Response:
-    """The server-sent events of one answer, then `[DONE]`, sent in one go (the completion is
-    already whole: streaming keeps OpenAI clients' streaming code paths working, not latency)."""
-    return Response(b"".join([*events, b"data: [DONE]\n\n"]), content_type="text/event-stream", headers="Cache-Control: no-cache\r\n")
-
-
-_PIECE = re.compile(r"\s*\S+\s*|\s+")
-
-
-def _pieces(text: str, words_per_piece: int = 4) -> list[str]:
-    """`text` in pieces of a few words, which concatenate back to `text` exactly."""
-    words = _PIECE.findall(text)
-    return ["".join(words[k:k + words_per_piece]) for k in range(0, len(words), words_per_piece)]
-
-
-def _json(body: dict, status: int = 200) -> Response:
-    return Response(_ENCODER.encode(body), status)
-
+            return json_response(body)
+        return completion_stream(body, req.stream_options is not None and bool(req.stream_options.include_usage))

@@ -303,7 +303,7 @@ def test_only_an_interpreters_script_argument_is_checked_as_a_file(tmp_path):
 
 def test_command_line_options_are_checked_like_a_config_file():
     from agentrl.common.config import ConfigError, from_options
-    from agentrl.gateway.server import GatewayConfig
+    from agentrl.gateway.config import GatewayConfig
 
     config = from_options(GatewayConfig, "agentrl gateway", port=0, served_model_name=None, renderer="chatml")
     assert (config.port, config.served_model_name, config.renderer, config.host) == (0, None, "chatml", "127.0.0.1")

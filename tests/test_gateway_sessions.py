@@ -13,8 +13,13 @@ import pytest
 
 from agentrl.engine.parsers import HermesParser
 from agentrl.gateway.protocol import GatewayError, decode_chat, decode_tools
-from agentrl.gateway.render import ChatMLRenderer, Recorded, TemplateRenderer, ToolList
-from agentrl.gateway.server import template_handles_tools
+from agentrl.gateway.render import (
+    ChatMLRenderer,
+    Recorded,
+    TemplateRenderer,
+    ToolList,
+    template_handles_tools,
+)
 from agentrl.gateway.sessions import Session, SessionStore, session_trajectories
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search.",
