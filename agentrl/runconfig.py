@@ -49,11 +49,11 @@ from agentrl.learner.config import LearnerConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
 
-SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "group_endpoint", "version_endpoint",
-                           "init_checkpoint", "seed", "progress_bar", "anchor_dir")
-"""LearnerConfig fields `agentrl train` fills in per phase; a config that sets them is refused."""
-CURVE_LEARNER_KEYS = ("curve_secret_key_file", "curve_authorized_clients_dir")
-"""LearnerConfig fields a run takes from [learner] only (agentrl/train.py `_learner_curve`)."""
+SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "transport.group_endpoint",
+                           "transport.version_endpoint", "init_checkpoint", "seed", "progress_bar", "anchor_dir")
+"""LearnerConfig keys (dotted paths) `agentrl train` fills in per phase; a config that sets them is refused."""
+CURVE_LEARNER_KEYS = ("transport.curve_secret_key_file", "transport.curve_authorized_clients_dir")
+"""LearnerConfig keys a run takes from [learner.transport] only (agentrl/train.py `_learner_curve`)."""
 
 
 @config_dataclass
@@ -135,7 +135,7 @@ class NetworkConfig:
     """The address this run's learners, vLLM server and the tool services it starts bind. Loopback
     (the default) keeps them on this host. Any other address (one other hosts reach) makes the run
     provision their credentials under RUN_DIR, each secret 0600, kept across --resume: CurveZMQ keys
-    for the learners' sockets (RUN_DIR/curve/, unless [learner] names its own) and for the tool
+    for the learners' sockets (RUN_DIR/curve/, unless [learner.transport] names its own) and for the tool
     services (the built-in ones and `[[tools]] command` services, whose "{bind}" is then on this
     address), and a control token for the server's weight endpoints (RUN_DIR/control_token, unless
     AGENTRL_CONTROL_TOKEN is set); the processes get them from files and the environment, never on
@@ -322,12 +322,12 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
     for section in ("learner", "sft.learner"):
         given = data.get("learner", {}) if section == "learner" else data.get("sft", {}).get("learner", {})
         for key in SUPERVISOR_LEARNER_KEYS:
-            if key in given:
-                problems.append(f"{at(*section.split('.'), key)}: set by agentrl train for each phase; remove it")
+            if _has(given, key):
+                problems.append(f"{at(*section.split('.'), *key.split('.'))}: set by agentrl train for each phase; remove it")
     for key in CURVE_LEARNER_KEYS:
-        if key in data.get("sft", {}).get("learner", {}):
-            problems.append(f"{at('sft', 'learner', key)}: set it in [learner]: the SFT and RL learners share their "
-                            "CurveZMQ keys, and the run hands its clients the matching ones")
+        if _has(data.get("sft", {}).get("learner", {}), key):
+            problems.append(f"{at('sft', 'learner', *key.split('.'))}: set it in [learner.transport]: the SFT and RL "
+                            "learners share their CurveZMQ keys, and the run hands its clients the matching ones")
     try:  # the SFT learner: [sft.learner] layered over [learner], as the supervisor derives it
         build(LearnerConfig, layer(_without(data.get("learner", {})), _without(sft_learner_overrides(config.sft))),
               origins=origins, default_source=source, prefix=("sft", "learner"))
@@ -389,8 +389,26 @@ def config_data(config: TrainConfig) -> dict[str, Any]:
     return data
 
 
+def _has(data: dict, dotted: str) -> bool:
+    *tables, key = dotted.split(".")
+    for table in tables:
+        data = data.get(table)
+        if not isinstance(data, dict):
+            return False
+    return key in data
+
+
 def _without(learner_data: dict) -> dict:
-    return {k: v for k, v in learner_data.items() if k not in SUPERVISOR_LEARNER_KEYS}
+    """`learner_data` without the keys the supervisor fills in (SUPERVISOR_LEARNER_KEYS)."""
+    data = copy.deepcopy(learner_data)
+    for dotted in SUPERVISOR_LEARNER_KEYS:
+        *tables, key = dotted.split(".")
+        table = data
+        for name in tables:
+            table = table.get(name) if isinstance(table, dict) else None
+        if isinstance(table, dict):
+            table.pop(key, None)
+    return data
 
 
 def schema_text() -> str:

@@ -31,7 +31,7 @@ default, then --config, then each --set; `--help` lists every key). Phases:
    `eval.without_tools`, `eval.transfer`.
 
 The learners, the vLLM server and the tool services bind `[network] host` (loopback by default).
-CurveZMQ keys in `[learner]` (curve_secret_key_file, curve_authorized_clients_dir) switch it on for
+CurveZMQ keys in `[learner.transport]` (curve_secret_key_file, curve_authorized_clients_dir) switch it on for
 the learners; the supervisor then makes a client certificate for its actor and SFT stream in
 RUN_DIR/curve/ (`Supervisor._learner_curve`). Off loopback it makes the learners' and the tool
 services' certificates too (`_tool_keys`) and a control token; on loopback without keys, none.
@@ -82,7 +82,7 @@ ANCHOR_DIR = "rl-anchor"
 RUN_CLIENT = "agentrl-run"
 """Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
 RUN_LEARNER = "agentrl-run-learner"
-"""Name of the learners' server certificate a run makes off loopback when [learner] names none."""
+"""Name of the learners' server certificate a run makes off loopback when [learner.transport] names none."""
 RUN_TOOLS = "agentrl-run-tools"
 """Name of the certificate of the tool services a run starts off loopback (`_tool_keys`)."""
 
@@ -266,13 +266,13 @@ class Supervisor:
     # -- learner / actor processes
     def _learner_curve(self) -> tuple[dict, dict]:
         """CurveZMQ on the learners' sockets: (learner config keys, the client keys of the actor and
-        of the SFT stream); ({}, {}) on loopback without keys in `[learner]`, and nothing is made.
+        of the SFT stream); ({}, {}) on loopback without keys in `[learner.transport]`, and nothing is made.
 
-        With keys in `[learner]`, the run makes a client certificate for its own connections
+        With keys in `[learner.transport]`, the run makes a client certificate for its own connections
         (RUN_DIR/curve/agentrl-run.key_secret, kept across --resume) and the learners admit it besides
-        the `*.key` of [learner] curve_authorized_clients_dir (both copied into RUN_DIR/curve/clients);
-        the clients get the public half of [learner] curve_secret_key_file (RUN_DIR/curve/learner.key),
-        never the secret file. Off loopback (`[network] host`) without keys in `[learner]`, the run
+        the `*.key` of [learner.transport] curve_authorized_clients_dir (both copied into RUN_DIR/curve/clients);
+        the clients get the public half of [learner.transport] curve_secret_key_file (RUN_DIR/curve/learner.key),
+        never the secret file. Off loopback (`[network] host`) without keys in `[learner.transport]`, the run
         also makes the learners' server certificate (RUN_DIR/curve/agentrl-run-learner.key_secret)
         and admits its own client only. Secret files are 0600 in a 0700 folder."""
         if self._curve is not None:
@@ -282,7 +282,7 @@ class Supervisor:
         from agentrl.common.control_auth import is_loopback
         from agentrl.common.curve import write_public_certificate
 
-        keys = self.config.learner.curve_keys()
+        keys = self.config.learner.transport.curve_keys()
         if keys is None and is_loopback(self.config.network.host):
             self._curve = ({}, {})
             return self._curve
@@ -291,7 +291,7 @@ class Supervisor:
         if keys is not None:
             given = sorted(Path(keys.authorized_clients_dir).glob("*.key"))
             if any(cert.name == f"{RUN_CLIENT}.key" for cert in given):
-                raise ConfigError(f"learner.curve_authorized_clients_dir: {keys.authorized_clients_dir} holds a {RUN_CLIENT}.key, "
+                raise ConfigError(f"learner.transport.curve_authorized_clients_dir: {keys.authorized_clients_dir} holds a {RUN_CLIENT}.key, "
                                   "the name of the run's own client certificate; rename it")
             server_public_key, learner_keys = keys.public_key, {}
         else:
@@ -335,15 +335,16 @@ class Supervisor:
                                server_public=str(folder / f"{RUN_TOOLS}.key"), client_secret=str(client_secret))
 
     def _learner_config(self, phase: str, overrides: dict) -> tuple[Path, dict]:
+        base = layer(to_dict(self.config.learner), overrides)
         data = {
-            **layer(to_dict(self.config.learner), overrides),
-            **self._learner_curve()[0],
+            **base,
+            "transport": {**base["transport"], **self._learner_curve()[0],
+                          "group_endpoint": _free_endpoint(self.config.network.host),
+                          "version_endpoint": _free_endpoint(self.config.network.host)},
             "output_dir": str(self.out / phase),
             "mode": "sft" if phase == "sft" else "rl",
             "model_dir": self.model_dir,
             "server_urls": self.services.vllm_urls,
-            "group_endpoint": _free_endpoint(self.config.network.host),
-            "version_endpoint": _free_endpoint(self.config.network.host),
             "progress_bar": False,
             "seed": self.config.seed,
         }
@@ -363,10 +364,10 @@ class Supervisor:
             "remote_tools": to_dict(self.services.remote),
             "local_tools": to_dict(self.services.local),
             "model_dir": self.model_dir,
-            "group_endpoint": learner_data["group_endpoint"],
-            "version_endpoint": learner_data["version_endpoint"],
+            "group_endpoint": learner_data["transport"]["group_endpoint"],
+            "version_endpoint": learner_data["transport"]["version_endpoint"],
             **self._learner_curve()[1],
-            "max_group_frame_bytes": cfg.learner.max_group_frame_bytes,
+            "max_group_frame_bytes": cfg.learner.transport.max_group_frame_bytes,
             "out_dir": str(self.out / "actor"),
             "tasks": to_dict(cfg.tasks),
             "env": to_dict(cfg.env),
@@ -553,7 +554,8 @@ class Supervisor:
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)), control=True)
         client = self._learner_curve()[1]
-        sender = GroupSender(data["group_endpoint"], max_unacked=8, max_frame_bytes=self.config.learner.max_group_frame_bytes,
+        sender = GroupSender(data["transport"]["group_endpoint"], max_unacked=8,
+                             max_frame_bytes=self.config.learner.transport.max_group_frame_bytes,
                              curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))
         await sender.start()
         t0 = time.perf_counter()

@@ -68,21 +68,11 @@ class AnchorConfig:
 
 
 @config_dataclass
-class LearnerConfig:
-    output_dir: str = ""
-    """Folder for metrics.jsonl, tensorboard/, checkpoints/, spool/ and rejected/ (created); required to run a
-    learner (`agentrl train` sets it per phase)."""
-    model_dir: FilePath | None = None
-    """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.common.model)."""
-    mode: Literal["rl", "sft"] = "rl"
-    """"rl": the policy-gradient loss; "sft": masked NLL on the action tokens of (gold) trajectories."""
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    tokens_per_step: int = 8192
-    """Token budget of one optimizer step (prompt + observation + action tokens of whole groups)."""
-    max_steps: int = 100
-    """Stop after this many optimizer steps (counted across restarts)."""
-    staleness_bound: int | None = 4
-    """Drop trajectories with an action token more than this many versions behind; None = keep all."""
+class LearnerTransportConfig:
+    """Where the learner receives trajectory groups and publishes its version, and who may connect
+    (`[learner.transport]`). `agentrl train` fills in the two endpoints (and, off loopback, the keys
+    it makes); a learner started by hand takes them from its config."""
+
     group_endpoint: str = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint the learner binds to receive trajectory groups. Loopback (or ipc://) by
     default; an endpoint other hosts can reach needs the two curve_* keys."""
@@ -102,6 +92,43 @@ class LearnerConfig:
     socket): a sender of a larger frame is disconnected before the frame is buffered. A group's
     largest frame is its header or one trajectory's token ids (4 bytes a token); the default, 64 MiB,
     holds a 16M-token trajectory. Senders (the actor) must use the same bound (`agentrl train` passes it)."""
+
+    def __post_init__(self) -> None:
+        keys = self.curve_keys()
+        for key in ("group_endpoint", "version_endpoint"):
+            endpoint = getattr(self, key)
+            if endpoint is not None:
+                require_curve_off_loopback(
+                    endpoint, keys, key=key, why="the learner trains on every group it is sent",
+                    how='set curve_secret_key_file = "keys/server.key_secret" and curve_authorized_clients_dir = '
+                        '"clients" (the directory of the clients\' NAME.key files) in [learner.transport], and give '
+                        'the actor keys/server.key and its clients/NAME.key_secret')
+        if self.max_group_frame_bytes < 1 << 10:
+            raise ValueError(f"max_group_frame_bytes: {self.max_group_frame_bytes} must be >= 1024 (a group header alone "
+                             "is hundreds of bytes)")
+
+    def curve_keys(self) -> ServerKeys | None:
+        """The CurveZMQ keys of the learner's sockets, read and checked (ValueError naming the key);
+        None without keys."""
+        return load_server_keys(self.curve_secret_key_file, self.curve_authorized_clients_dir)
+
+
+@config_dataclass
+class LearnerConfig:
+    output_dir: str = ""
+    """Folder for metrics.jsonl, tensorboard/, checkpoints/, spool/ and rejected/ (created); required to run a
+    learner (`agentrl train` sets it per phase)."""
+    model_dir: FilePath | None = None
+    """Hugging Face model folder; None = the prepared SmolLM2-135M-Instruct (agentrl.common.model)."""
+    mode: Literal["rl", "sft"] = "rl"
+    """"rl": the policy-gradient loss; "sft": masked NLL on the action tokens of (gold) trajectories."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tokens_per_step: int = 8192
+    """Token budget of one optimizer step (prompt + observation + action tokens of whole groups)."""
+    max_steps: int = 100
+    """Stop after this many optimizer steps (counted across restarts)."""
+    staleness_bound: int | None = 4
+    """Drop trajectories with an action token more than this many versions behind; None = keep all."""
     max_rejected_bytes: int = 1 << 30
     """output_dir/rejected/ (refused groups, kept for reading: learner/rejected.py) stops growing at
     this many bytes; later refusals are still logged, counted and nacked."""
@@ -112,6 +139,7 @@ class LearnerConfig:
     publish: PublishConfig = field(default_factory=PublishConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    transport: LearnerTransportConfig = field(default_factory=LearnerTransportConfig)
     init_checkpoint: FilePath | None = None
     """A checkpoints folder (another learner's `output_dir/checkpoints`) whose latest policy weights
     and version this learner starts from when its own output_dir holds no checkpoint yet: the RL
@@ -140,23 +168,15 @@ class LearnerConfig:
     __moved__ = {"publish_every": "publish.every", "kv_refresh_every": "publish.kv_refresh_every",
                  "weight_transport": "publish.transport", "checkpoint_every": "checkpoint.every",
                  "keep_checkpoints": "checkpoint.keep", "anchor_coef": "anchor.coef",
-                 "anchor_tokens_per_step": "anchor.tokens_per_step"}
+                 "anchor_tokens_per_step": "anchor.tokens_per_step", "group_endpoint": "transport.group_endpoint",
+                 "version_endpoint": "transport.version_endpoint",
+                 "curve_secret_key_file": "transport.curve_secret_key_file",
+                 "curve_authorized_clients_dir": "transport.curve_authorized_clients_dir",
+                 "max_group_frame_bytes": "transport.max_group_frame_bytes"}
 
     def __post_init__(self) -> None:
-        keys = self.curve_keys()
-        for key in ("group_endpoint", "version_endpoint"):
-            endpoint = getattr(self, key)
-            if endpoint is not None:
-                require_curve_off_loopback(
-                    endpoint, keys, key=key, why="the learner trains on every group it is sent",
-                    how='set curve_secret_key_file = "keys/server.key_secret" and curve_authorized_clients_dir = '
-                        '"clients" (the directory of the clients\' NAME.key files) in the learner config, and give '
-                        'the actor keys/server.key and its clients/NAME.key_secret')
         if self.tokens_per_step <= 0:
             raise ValueError(f"tokens_per_step={self.tokens_per_step} must be > 0")
-        if self.max_group_frame_bytes < 1 << 10:
-            raise ValueError(f"max_group_frame_bytes={self.max_group_frame_bytes} must be >= 1024 (a group header alone "
-                             "is hundreds of bytes)")
         if self.mode not in ("rl", "sft"):
             raise ValueError(f"mode={self.mode!r}: choose 'rl' or 'sft'")
         if self.anchor.coef > 0 and self.mode == "sft":
@@ -168,9 +188,3 @@ class LearnerConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: choose 'auto', 'cpu' or 'cuda' (under torchrun each rank "
                              "takes cuda:{LOCAL_RANK}; pick GPUs with CUDA_VISIBLE_DEVICES)")
-
-
-    def curve_keys(self) -> ServerKeys | None:
-        """The CurveZMQ keys of the learner's sockets, read and checked (ValueError naming the key);
-        None without keys."""
-        return load_server_keys(self.curve_secret_key_file, self.curve_authorized_clients_dir)

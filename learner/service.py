@@ -130,8 +130,8 @@ class Learner:
         restored = self.ranks.restore(self.out / "checkpoints")
         self.step = restored.step
         cfg = self.config
-        receiver = GroupReceiver(cfg.group_endpoint, max_frame_bytes=cfg.max_group_frame_bytes,
-                                 vocab_size=self.ranks.vocab_size, curve=cfg.curve_keys())
+        receiver = GroupReceiver(cfg.transport.group_endpoint, max_frame_bytes=cfg.transport.max_group_frame_bytes,
+                                 vocab_size=self.ranks.vocab_size, curve=cfg.transport.curve_keys())
         self.intake = Intake(receiver, Spool(self.out / "spool"), restored.ledger or Ledger(),
                              RejectedStore(self.out / "rejected", max_bytes=cfg.max_rejected_bytes))
         if restored.how != "fresh":
@@ -282,7 +282,7 @@ class Learner:
         intake = self.start_training()
         self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.publish.kv_refresh_every, transport=cfg.publish.transport)
                           if cfg.publish.every else None)
-        self.version_pub = VersionPublisher(cfg.version_endpoint, curve=cfg.curve_keys()) if cfg.version_endpoint else None
+        self.version_pub = VersionPublisher(cfg.transport.version_endpoint, curve=cfg.transport.curve_keys()) if cfg.transport.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,
                                      progress_initial=self.step, progress_bar=cfg.progress_bar)
         await intake.receiver.start()
@@ -293,7 +293,7 @@ class Learner:
         if self.version_pub is not None:
             await self.version_pub.start()
             await self.version_pub.publish(self.step, served)
-        print(f"READY learner step={self.step} replay={intake.num_replayed} endpoint={cfg.group_endpoint} "
+        print(f"READY learner step={self.step} replay={intake.num_replayed} endpoint={cfg.transport.group_endpoint} "
               f"ranks={self.ranks.world} device={self.ranks.device}", file=sys.stderr, flush=True)
         try:
             while self.step < cfg.max_steps and not self._stop.is_set():

@@ -5,7 +5,7 @@ import pytest
 from support.synthetic import make_trajectory
 
 from agentrl.common.trajectory import TrajectoryGroup
-from agentrl.learner.config import LearnerConfig
+from agentrl.learner.config import LearnerConfig, LearnerTransportConfig
 from agentrl.learner.rewards import RewardWeights
 from agentrl.learner.service import Learner, load_config
 
@@ -63,6 +63,11 @@ def test_full_config_parses_into_typed_dataclasses(tmp_path):
     ('output_dir = "x"\nanchor_coef = 0.1', "bad.toml: anchor_coef: this key moved; write it as anchor.coef$"),
     ('output_dir = "x"\nweight_transport = "stream"', "bad.toml: weight_transport: this key moved; write it as publish.transport$"),
     ('output_dir = "x"\n[checkpoint]\nevery = 0', "bad.toml: checkpoint.every: every \\(0\\) must be > 0"),
+    ('output_dir = "x"\ngroup_endpoint = "tcp://127.0.0.1:5555"',
+     "bad.toml: group_endpoint: this key moved; write it as transport.group_endpoint$"),
+    ('output_dir = "x"\n[transport]\ngroup_endpoint = "tcp://0.0.0.0:5555"',
+     "bad.toml: transport.group_endpoint: refusing to bind tcp://0.0.0.0:5555"),
+    ('output_dir = "x"\n[transport]\nmax_group_frame_bytes = 10', "bad.toml: transport.max_group_frame_bytes: 10 must be >= 1024"),
 ])
 def test_bad_config_fails_early_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -106,7 +111,7 @@ def test_without_curve_keys_the_learner_binds_its_sockets_on_loopback_only(endpo
     """With keys it may bind anywhere: tests/test_learner_curve.py."""
     for key in ("group_endpoint", "version_endpoint"):
         if local:
-            LearnerConfig(**{key: endpoint})
+            LearnerTransportConfig(**{key: endpoint})
         else:
             with pytest.raises(ValueError, match=f"{key}: refusing to bind .*reachable from other hosts.*CurveZMQ"):
-                LearnerConfig(**{key: endpoint})
+                LearnerTransportConfig(**{key: endpoint})

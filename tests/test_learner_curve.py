@@ -25,7 +25,7 @@ from agentrl.common.curve import load_client_keys
 from agentrl.common.trajectory import encode_group
 from agentrl.common.transport import GROUP, GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 from agentrl.engine.actor import ActorConfig
-from agentrl.learner.config import LearnerConfig
+from agentrl.learner.config import LearnerConfig, LearnerTransportConfig
 
 NOT_RECEIVED_S = 3.0
 """How long a refused peer's group is waited for (an authorized one arrives in a few ms)."""
@@ -52,8 +52,9 @@ def keys(tmp_path) -> SimpleNamespace:
                            actor_secret=actor_secret, stranger_secret=stranger_secret)
 
 
-def learner_config(keys, **fields) -> LearnerConfig:
-    return LearnerConfig(curve_secret_key_file=keys.server_secret, curve_authorized_clients_dir=keys.clients, **fields)
+def learner_config(keys, **transport) -> LearnerConfig:
+    return LearnerConfig(transport=LearnerTransportConfig(curve_secret_key_file=keys.server_secret,
+                                                          curve_authorized_clients_dir=keys.clients, **transport))
 
 
 def client_keys(keys, secret_file: str):
@@ -95,10 +96,10 @@ async def _send_refused(sender: GroupSender, group_id: str) -> asyncio.Task:
 async def test_an_authorized_actor_sends_groups_acked_and_hears_versions_over_curve(keys):
     """The config's keys reach the sockets: a group goes through and is acked, a version arrives."""
     cfg = learner_config(keys, group_endpoint=endpoint(), version_endpoint=endpoint())
-    actor = ActorConfig(vllm=[], group_endpoint=cfg.group_endpoint, version_endpoint=cfg.version_endpoint,
+    actor = ActorConfig(vllm=[], group_endpoint=cfg.transport.group_endpoint, version_endpoint=cfg.transport.version_endpoint,
                         curve_server_key=keys.server_public, curve_client_key=keys.actor_secret)
-    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
-    publisher = VersionPublisher(cfg.version_endpoint, republish_interval_s=0.1, curve=cfg.curve_keys())
+    receiver = GroupReceiver(cfg.transport.group_endpoint, curve=cfg.transport.curve_keys())
+    publisher = VersionPublisher(cfg.transport.version_endpoint, republish_interval_s=0.1, curve=cfg.transport.curve_keys())
     sender = GroupSender(actor.group_endpoint, curve=actor.curve_keys())
     subscriber = VersionSubscriber(actor.version_endpoint, curve=actor.curve_keys())
     for part in (receiver, publisher, sender, subscriber):
@@ -116,12 +117,12 @@ async def test_an_authorized_actor_sends_groups_acked_and_hears_versions_over_cu
 
 async def test_an_unknown_client_key_gets_nothing_through_and_the_learner_keeps_serving_the_actor(keys):
     cfg = learner_config(keys, group_endpoint=endpoint(), version_endpoint=endpoint())
-    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
-    publisher = VersionPublisher(cfg.version_endpoint, republish_interval_s=0.1, curve=cfg.curve_keys())
-    stranger = GroupSender(cfg.group_endpoint, curve=client_keys(keys, keys.stranger_secret))
-    eavesdropper = VersionSubscriber(cfg.version_endpoint, curve=client_keys(keys, keys.stranger_secret))
-    sender = GroupSender(cfg.group_endpoint, curve=client_keys(keys, keys.actor_secret))
-    subscriber = VersionSubscriber(cfg.version_endpoint, curve=client_keys(keys, keys.actor_secret))
+    receiver = GroupReceiver(cfg.transport.group_endpoint, curve=cfg.transport.curve_keys())
+    publisher = VersionPublisher(cfg.transport.version_endpoint, republish_interval_s=0.1, curve=cfg.transport.curve_keys())
+    stranger = GroupSender(cfg.transport.group_endpoint, curve=client_keys(keys, keys.stranger_secret))
+    eavesdropper = VersionSubscriber(cfg.transport.version_endpoint, curve=client_keys(keys, keys.stranger_secret))
+    sender = GroupSender(cfg.transport.group_endpoint, curve=client_keys(keys, keys.actor_secret))
+    subscriber = VersionSubscriber(cfg.transport.version_endpoint, curve=client_keys(keys, keys.actor_secret))
     for part in (receiver, publisher, stranger, eavesdropper):
         await part.start()
     send = await _send_refused(stranger, "g-stranger")
@@ -144,14 +145,14 @@ async def test_an_unknown_client_key_gets_nothing_through_and_the_learner_keeps_
 
 async def test_a_plaintext_sender_cannot_talk_to_a_curve_receiver(keys):
     cfg = learner_config(keys, group_endpoint=endpoint())
-    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
+    receiver = GroupReceiver(cfg.transport.group_endpoint, curve=cfg.transport.curve_keys())
     await receiver.start()
-    plain = GroupSender(cfg.group_endpoint)
+    plain = GroupSender(cfg.transport.group_endpoint)
     await plain.start()
     ctx = zmq.asyncio.Context()
     raw = ctx.socket(zmq.DEALER)  # and no sender of ours: raw frames of a well-formed group
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(cfg.group_endpoint)
+    raw.connect(cfg.transport.group_endpoint)
     send = await _send_refused(plain, "g-plain")
     try:
         await raw.send_multipart([GROUP, *encode_group(make_group("g-raw", [1.0, 0.0]))], flags=zmq.NOBLOCK)
@@ -187,10 +188,10 @@ async def test_a_wrong_server_key_gets_nothing_through_and_is_reported_as_failin
     """The client encrypts to a key that is not the learner's: the learner cannot read its hello, so
     the connection drops mid-handshake and ZeroMQ retries it; nothing reaches the learner."""
     cfg = learner_config(keys, group_endpoint=endpoint())
-    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
+    receiver = GroupReceiver(cfg.transport.group_endpoint, curve=cfg.transport.curve_keys())
     await receiver.start()
     wrong = load_client_keys(keys.stranger_secret, keys.actor_secret)  # the stranger's public half as server key
-    sender = GroupSender(cfg.group_endpoint, curve=wrong)
+    sender = GroupSender(cfg.transport.group_endpoint, curve=wrong)
     await sender.start()
     send = await _send_refused(sender, "g-wrong-server")
     try:
@@ -209,23 +210,23 @@ async def test_a_wrong_server_key_gets_nothing_through_and_is_reported_as_failin
 @pytest.mark.parametrize("public", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "tcp://learner:5555"])
 def test_a_learner_endpoint_other_hosts_reach_needs_curve_keys(keys, key, public):
     with pytest.raises(ValueError, match=rf"{key}: refusing to bind .*CurveZMQ.*create_certificates.*curve_secret_key_file"):
-        LearnerConfig(**{key: public})
+        LearnerTransportConfig(**{key: public})
     cfg = learner_config(keys, **{key: public})
-    assert cfg.curve_keys().authorized_clients_dir == keys.clients
+    assert cfg.transport.curve_keys().authorized_clients_dir == keys.clients
 
 
 @pytest.mark.parametrize("local", ["tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://[::1]:5555",
                                    "ipc:///tmp/learner.sock"])
 def test_a_local_learner_endpoint_needs_no_keys_and_may_have_them(keys, local):
-    assert LearnerConfig(group_endpoint=local, version_endpoint=local).curve_keys() is None
-    assert learner_config(keys, group_endpoint=local).curve_keys() is not None
+    assert LearnerTransportConfig(group_endpoint=local, version_endpoint=local).curve_keys() is None
+    assert learner_config(keys, group_endpoint=local).transport.curve_keys() is not None
 
 
 def test_learner_keys_are_both_or_neither(keys):
     with pytest.raises(ValueError, match="curve_secret_key_file: CurveZMQ needs both"):
-        LearnerConfig(curve_secret_key_file=keys.server_secret)
+        LearnerTransportConfig(curve_secret_key_file=keys.server_secret)
     with pytest.raises(ValueError, match="curve_secret_key_file: CurveZMQ needs both"):
-        LearnerConfig(curve_authorized_clients_dir=keys.clients)
+        LearnerTransportConfig(curve_authorized_clients_dir=keys.clients)
 
 
 def test_bad_learner_keys_are_refused_at_config_time_naming_the_key(keys, tmp_path):
@@ -242,11 +243,11 @@ def test_bad_learner_keys_are_refused_at_config_time_naming_the_key(keys, tmp_pa
     for fields, message in cases:
         given = {"curve_secret_key_file": keys.server_secret, "curve_authorized_clients_dir": keys.clients, **fields}
         with pytest.raises(ValueError, match=message):
-            LearnerConfig(group_endpoint="tcp://0.0.0.0:5555", **given)
+            LearnerTransportConfig(group_endpoint="tcp://0.0.0.0:5555", **given)
     toml = tmp_path / "learner.toml"  # the same through a config file: a ConfigError naming the file
-    toml.write_text(f'group_endpoint = "tcp://0.0.0.0:5555"\ncurve_secret_key_file = "{tmp_path / "gone"}"\n'
+    toml.write_text(f'[transport]\ngroup_endpoint = "tcp://0.0.0.0:5555"\ncurve_secret_key_file = "{tmp_path / "gone"}"\n'
                     f'curve_authorized_clients_dir = "{keys.clients}"\n')
-    with pytest.raises(ConfigError, match="learner.toml.*curve_secret_key_file: no such certificate file"):
+    with pytest.raises(ConfigError, match="learner.toml.*transport.curve_secret_key_file: no such certificate file"):
         build(LearnerConfig, read_toml(toml), default_source=str(toml))
 
 
@@ -281,8 +282,8 @@ def test_without_keys_the_supervisor_makes_none_and_passes_none(tmp_path):
     supervisor = _supervisor(tmp_path, LearnerConfig())
     path, data = supervisor._learner_config("rl", {})
     learner, actor = read_toml(path), read_toml(supervisor._actor_config(data))
-    assert learner["group_endpoint"].startswith("tcp://127.0.0.1:")
-    assert not any(k.startswith("curve") for k in (*learner, *actor))
+    assert learner["transport"]["group_endpoint"].startswith("tcp://127.0.0.1:")
+    assert not any(k.startswith("curve") for k in (*learner, *learner["transport"], *actor))
     assert not (tmp_path / "run" / "curve").exists()
 
 
@@ -295,12 +296,12 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
     actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
     curve = tmp_path / "run" / "curve"
-    assert learner.curve_secret_key_file == keys.server_secret
-    assert sorted(p.name for p in Path(learner.curve_authorized_clients_dir).iterdir()) == ["actor.key", "agentrl-run.key"]
+    assert learner.transport.curve_secret_key_file == keys.server_secret
+    assert sorted(p.name for p in Path(learner.transport.curve_authorized_clients_dir).iterdir()) == ["actor.key", "agentrl-run.key"]
     assert actor.curve_server_key == str(curve / "learner.key") and actor.curve_client_key == str(curve / "agentrl-run.key_secret")
     assert zmq.auth.load_certificate(actor.curve_server_key) == (zmq.auth.load_certificate(keys.server_public)[0], None)
     assert (curve / "agentrl-run.key_secret").stat().st_mode & 0o077 == 0
-    receiver = GroupReceiver(learner.group_endpoint, curve=learner.curve_keys())
+    receiver = GroupReceiver(learner.transport.group_endpoint, curve=learner.transport.curve_keys())
     sender = GroupSender(actor.group_endpoint, curve=actor.curve_keys())
     await receiver.start()
     await sender.start()
@@ -309,7 +310,7 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     finally:
         await sender.close()
         await receiver.close()
-    assert supervisor._learner_config("sft", {})[1]["curve_authorized_clients_dir"] == learner.curve_authorized_clients_dir
+    assert supervisor._learner_config("sft", {})[1]["transport"]["curve_authorized_clients_dir"] == learner.transport.curve_authorized_clients_dir
 
 
 async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_clients_get_through(tmp_path):
@@ -334,13 +335,13 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
     actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
     curve = tmp_path / "run" / "curve"
-    assert learner.group_endpoint.startswith(f"tcp://{host}:") and learner.version_endpoint.startswith(f"tcp://{host}:")
-    assert learner.curve_secret_key_file == str(curve / "agentrl-run-learner.key_secret")
-    assert sorted(p.name for p in Path(learner.curve_authorized_clients_dir).iterdir()) == ["agentrl-run.key"]
+    assert learner.transport.group_endpoint.startswith(f"tcp://{host}:") and learner.transport.version_endpoint.startswith(f"tcp://{host}:")
+    assert learner.transport.curve_secret_key_file == str(curve / "agentrl-run-learner.key_secret")
+    assert sorted(p.name for p in Path(learner.transport.curve_authorized_clients_dir).iterdir()) == ["agentrl-run.key"]
     for secret in ("agentrl-run-learner.key_secret", "agentrl-run.key_secret"):
         assert stat.S_IMODE((curve / secret).stat().st_mode) == 0o600
     assert stat.S_IMODE(curve.stat().st_mode) == 0o700
-    receiver = GroupReceiver(learner.group_endpoint, curve=learner.curve_keys())
+    receiver = GroupReceiver(learner.transport.group_endpoint, curve=learner.transport.curve_keys())
     sender = GroupSender(actor.group_endpoint, curve=actor.curve_keys())
     plain = GroupSender(actor.group_endpoint)
     await receiver.start()
@@ -357,17 +358,17 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
         await sender.close()
         await receiver.close()
     # A second call (the SFT phase, a resumed run) keeps the same keys.
-    assert supervisor._learner_config("sft", {})[1]["curve_secret_key_file"] == learner.curve_secret_key_file
+    assert supervisor._learner_config("sft", {})[1]["transport"]["curve_secret_key_file"] == learner.transport.curve_secret_key_file
 
 
 def test_run_config_keys_go_in_learner_not_sft_learner(keys, tmp_path):
     from agentrl.runconfig import load_run_config
 
-    sets = [f'learner.curve_secret_key_file="{keys.server_secret}"', f'learner.curve_authorized_clients_dir="{keys.clients}"']
-    assert load_run_config(sets=sets).config.learner.curve_keys() is not None
-    with pytest.raises(ConfigError, match="sft.learner.curve_secret_key_file: set it in \\[learner\\]"):
-        load_run_config(sets=[f'sft.learner.curve_secret_key_file="{keys.server_secret}"',
-                              f'sft.learner.curve_authorized_clients_dir="{keys.clients}"'])
+    sets = [f'learner.transport.curve_secret_key_file="{keys.server_secret}"', f'learner.transport.curve_authorized_clients_dir="{keys.clients}"']
+    assert load_run_config(sets=sets).config.learner.transport.curve_keys() is not None
+    with pytest.raises(ConfigError, match="sft.learner.transport.curve_secret_key_file: set it in \\[learner.transport\\]"):
+        load_run_config(sets=[f'sft.learner.transport.curve_secret_key_file="{keys.server_secret}"',
+                              f'sft.learner.transport.curve_authorized_clients_dir="{keys.clients}"'])
 
 
 # --- a real learner process ------------------------------------------------------------------------
@@ -397,10 +398,10 @@ tokens_per_step = 100
 max_steps = 1
 publish.every = 0
 staleness_bound = 100
-group_endpoint = "{group_ep}"
-version_endpoint = "{version_ep}"
-curve_secret_key_file = "{keys.server_secret}"
-curve_authorized_clients_dir = "{keys.clients}"
+transport.group_endpoint = "{group_ep}"
+transport.version_endpoint = "{version_ep}"
+transport.curve_secret_key_file = "{keys.server_secret}"
+transport.curve_authorized_clients_dir = "{keys.clients}"
 tensorboard = false
 progress_bar = false
 
@@ -495,8 +496,8 @@ async def test_a_real_actor_process_exits_on_a_refused_key_and_an_authorized_one
     import sys
 
     cfg = learner_config(keys, group_endpoint=endpoint(), version_endpoint=endpoint())
-    receiver = GroupReceiver(cfg.group_endpoint, curve=cfg.curve_keys())
-    publisher = VersionPublisher(cfg.version_endpoint, republish_interval_s=0.1, curve=cfg.curve_keys())
+    receiver = GroupReceiver(cfg.transport.group_endpoint, curve=cfg.transport.curve_keys())
+    publisher = VersionPublisher(cfg.transport.version_endpoint, republish_interval_s=0.1, curve=cfg.transport.curve_keys())
     await receiver.start()
     await publisher.start()
     procs, logs = {}, {}
@@ -505,8 +506,8 @@ async def test_a_real_actor_process_exits_on_a_refused_key_and_an_authorized_one
         for name, secret in (("actor", keys.actor_secret), ("stranger", keys.stranger_secret)):
             folder = tmp_path / f"run-{name}"
             folder.mkdir()
-            config = _actor_toml(folder / "actor.toml", vllm_server.base_url, model_dir, cfg.group_endpoint,
-                                 cfg.version_endpoint, keys.server_public, secret)
+            config = _actor_toml(folder / "actor.toml", vllm_server.base_url, model_dir, cfg.transport.group_endpoint,
+                                 cfg.transport.version_endpoint, keys.server_public, secret)
             logs[name] = folder / "actor.log"
             with open(logs[name], "ab") as log:
                 procs[name] = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "actor", "--config", str(config)],

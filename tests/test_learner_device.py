@@ -105,7 +105,7 @@ def _config(tmp_path, model_dir, device: str, estimator: str, precision: str) ->
     trainer = TrainerConfig(precision=precision, max_row_tokens=48, advantage=AdvantageConfig(estimator),
                             optimizer=OptimizerConfig(lr=1e-3, grad_clip=1.0),
                             loss=PolicyLossConfig(kl_coef=0.05 if kl else 0.0))
-    return LearnerConfig(output_dir=str(tmp_path), model_dir=str(model_dir), publish={"every": 0}, version_endpoint=None,
+    return LearnerConfig(output_dir=str(tmp_path), model_dir=str(model_dir), publish={"every": 0}, transport={"version_endpoint": None},
                          kl_reference=kl, trainer=trainer, device=device, tensorboard=False, progress_bar=False)
 
 

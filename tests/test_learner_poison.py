@@ -338,12 +338,12 @@ async def test_the_learner_skips_a_nonfinite_update_records_it_and_goes_on(tmp_p
     model_dir = tmp_path / "model"
     tiny_llama(128, seed=0).save_pretrained(model_dir)
     config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish={"every": 0},
-                           version_endpoint=None, group_endpoint=endpoint(), tensorboard=False, progress_bar=False,
+                           transport={"version_endpoint": None, "group_endpoint": endpoint()}, tensorboard=False, progress_bar=False,
                            trainer=TrainerConfig(precision="fp32", optimizer=OptimizerConfig(lr=1e-3)))
     learner = Learner(config)
     learner.start_training()
     assert learner.intake.receiver.vocab_size == 128
-    assert learner.intake.receiver.max_frame_bytes == config.max_group_frame_bytes == 64 << 20
+    assert learner.intake.receiver.max_frame_bytes == config.transport.max_group_frame_bytes == 64 << 20
     learner.metrics, learner.publisher, learner.version_pub = MetricsWriter(learner.out, tensorboard=False,
                                                                             progress_bar=False), None, None
     norm = learner.ranks.model.model.norm.weight
@@ -381,7 +381,7 @@ async def test_a_batch_that_trains_nothing_adds_its_wait_and_drops_to_the_next_s
     model_dir = tmp_path / "model"
     tiny_llama(128, seed=0).save_pretrained(model_dir)
     config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), publish={"every": 0},
-                           version_endpoint=None, group_endpoint=endpoint(), tensorboard=False, progress_bar=False,
+                           transport={"version_endpoint": None, "group_endpoint": endpoint()}, tensorboard=False, progress_bar=False,
                            trainer=TrainerConfig(precision="fp32", optimizer=OptimizerConfig(lr=1e-3),
                                                  advantage=AdvantageConfig(dynamic_sampling=True)))
     learner = Learner(config)
@@ -427,8 +427,8 @@ tokens_per_step = 100
 max_steps = 3
 publish.every = 0
 staleness_bound = 100
-group_endpoint = "{ep}"
-version_endpoint = "{endpoint()}"
+transport.group_endpoint = "{ep}"
+transport.version_endpoint = "{endpoint()}"
 tensorboard = false
 progress_bar = false
 

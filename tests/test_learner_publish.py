@@ -215,7 +215,7 @@ async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_t
     async with weight_server() as (up_url, up):
         up.version = "7"  # weights this lineage does not own (pushed after its checkpoint)
         config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), server_urls=[up_url, dead_url],
-                               version_endpoint=None, tensorboard=False, progress_bar=False,
+                               transport={"version_endpoint": None}, tensorboard=False, progress_bar=False,
                                trainer=TrainerConfig(precision="fp32"))
         learner = Learner(config)
         learner.start_training()

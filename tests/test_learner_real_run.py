@@ -41,8 +41,8 @@ def write_learner_config(path: Path, vllm_server, *, run_dir: Path, group_endpoi
 output_dir = "{run_dir}"
 model_dir = "{vllm_server.model_dir}"
 tokens_per_step = 1
-group_endpoint = "{group_endpoint}"
-version_endpoint = "{version_endpoint}"
+transport.group_endpoint = "{group_endpoint}"
+transport.version_endpoint = "{version_endpoint}"
 server_urls = ["{vllm_server.base_url}"]
 progress_bar = false
 {top}

@@ -44,8 +44,8 @@ max_steps = {MAX_STEPS}
 checkpoint.every = 3
 publish.every = 0
 staleness_bound = 100
-group_endpoint = "{endpoint}"
-version_endpoint = "tcp://127.0.0.1:{_free_port()}"
+transport.group_endpoint = "{endpoint}"
+transport.version_endpoint = "tcp://127.0.0.1:{_free_port()}"
 tensorboard = false
 progress_bar = false
 

@@ -82,8 +82,8 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
             time.sleep(1)
         assert (out / "learner-rl.toml").exists(), "the RL phase did not start"
         learner = tomllib.loads((out / "learner-rl.toml").read_text())
-        assert urlparse(learner["group_endpoint"]).hostname == host
-        answered = asyncio.run(_send_without_keys(learner["group_endpoint"], make_group("intruder", [1.0, 0.0])))
+        assert urlparse(learner["transport"]["group_endpoint"]).hostname == host
+        answered = asyncio.run(_send_without_keys(learner["transport"]["group_endpoint"], make_group("intruder", [1.0, 0.0])))
         assert answered is False, "the learner answered a client without the run's keys"
         # The token is on no command line of any process (the run's included) while they run, and
         # only the server, the learners and their own children have it in their environment.
@@ -115,7 +115,7 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
                  out / "curve" / "agentrl-run-tools.key_secret"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE((out / "curve").stat().st_mode) == 0o700
-    assert learner["curve_secret_key_file"] == str(out / "curve" / "agentrl-run-learner.key_secret")
+    assert learner["transport"]["curve_secret_key_file"] == str(out / "curve" / "agentrl-run-learner.key_secret")
     # The server bound the routable address and the pushes streamed to it.
     actor = tomllib.loads((out / "actor.toml").read_text())
     assert all(urlparse(url).hostname == host for url in actor["vllm"])

@@ -54,7 +54,8 @@ async def main(config_file: str, out: Path, every: int, sets: list[str]) -> dict
             overrides = layer(config.sft.learner, {"max_steps": steps, "publish_every": every, "checkpoint_every": steps})
             config_path, data = sup._learner_config("sft", overrides)
             learner = sup._start("learner-sft", _agentrl("learner", "--config", str(config_path)))
-            sender = GroupSender(data["group_endpoint"], max_unacked=8, max_frame_bytes=config.learner.max_group_frame_bytes)
+            sender = GroupSender(data["transport"]["group_endpoint"], max_unacked=8,
+                                 max_frame_bytes=config.learner.transport.max_group_frame_bytes)
             await sender.start()
             t0 = time.monotonic()
 
