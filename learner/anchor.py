@@ -8,15 +8,14 @@ taken in a seeded shuffled order and cycled, each once per pass (a step ends wit
 learner that resumes at step k takes a new order seeded by (seed, k), so a restart does not repeat
 the first steps' demonstrations. The likelihood is the policy's at `trainer.temperature`, the
 sampling temperature the RL loss uses too (the logits are divided by it in the one forward): the
-anchor holds the distribution the actor samples from, and run Y measured it so.
+anchor holds the distribution the actor samples from.
 
 Why: GRPO trains only on groups whose rewards differ, so questions the policy already answers right
-carry no gradient, and updates from the questions it is still learning move them too (run V,
-docs/notes/issue-15.md: RL lost 9 1-hop questions on seed 0, planning two searches for "Which city
-was X born in?" after learning to for "In which country is the city where X was born?"). A KL term
-to the SFT policy did not hold it (run O: the deciding token is one among ~60 others in the
-token-mean KL). The anchor pulls towards the gold actions, not towards what SFT got wrong. It is
-InstructGPT's pretraining-mix term with the cold start's demonstrations as the data.
+carry no gradient, and updates from the questions it is still learning move them too; a KL term to
+the SFT policy is too weak to hold them (the deciding token is one among many in a token-mean KL).
+The anchor pulls towards the gold actions, not towards what SFT got wrong. It is InstructGPT's
+pretraining-mix term with the cold start's demonstrations as the data. The runs that measured both
+effects: docs/notes/issue-15.md (runs O, V, Y).
 """
 
 from __future__ import annotations
