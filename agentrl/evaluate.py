@@ -78,17 +78,22 @@ async def _with_services(config, workdir: Path, body):
         await asyncio.to_thread(services.stop)
 
 
-def eval_main(argv: list[str]) -> int:
-    parser = _parser("agentrl eval", "Evaluate a policy on the held-out tasks (EM/F1), with the baselines.")
-    parser.add_argument("--no-baselines", action="store_true", help="skip the Naive RAG baseline")
+def _run(parser: argparse.ArgumentParser, argv: list[str], command) -> int:
+    """Parse `argv`, resolve the config (exit 2 naming what is wrong) and run `command(config, args)`."""
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _resolve(args)
     except ConfigError as err:
-        print(f"agentrl eval: bad config:\n{err}", file=sys.stderr)
+        print(f"{parser.prog}: bad config:\n{err}", file=sys.stderr)
         return 2
-    return asyncio.run(_eval(config, args))
+    return asyncio.run(command(config, args))
+
+
+def eval_main(argv: list[str]) -> int:
+    parser = _parser("agentrl eval", "Evaluate a policy on the held-out tasks (EM/F1), with the baselines.")
+    parser.add_argument("--no-baselines", action="store_true", help="skip the Naive RAG baseline")
+    return _run(parser, argv, _eval)
 
 
 async def _eval(config, args) -> int:
@@ -140,14 +145,7 @@ def rollout_main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="output JSONL path (one trajectory per line)")
     parser.add_argument("--split", choices=("heldout", "train"), default="heldout", help="which tasks (default: heldout)")
     parser.add_argument("--group-size", type=int, default=1, help="samples per task")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = _resolve(args)
-    except ConfigError as err:
-        print(f"agentrl rollout: bad config:\n{err}", file=sys.stderr)
-        return 2
-    return asyncio.run(_rollout(config, args))
+    return _run(parser, argv, _rollout)
 
 
 async def _rollout(config, args) -> int:
