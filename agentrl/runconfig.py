@@ -53,7 +53,7 @@ SUPERVISOR_LEARNER_KEYS = ("output_dir", "mode", "model_dir", "server_urls", "tr
                            "transport.version_endpoint", "init_checkpoint", "seed", "progress_bar", "anchor_dir")
 """LearnerConfig keys (dotted paths) `agentrl train` fills in per phase; a config that sets them is refused."""
 CURVE_LEARNER_KEYS = ("transport.curve_secret_key_file", "transport.curve_authorized_clients_dir")
-"""LearnerConfig keys a run takes from [learner.transport] only (agentrl/train.py `_learner_curve`)."""
+"""LearnerConfig keys a run takes from [learner.transport] only (agentrl/credentials.py `RunCredentials.learner`)."""
 
 
 @config_dataclass

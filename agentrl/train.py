@@ -33,8 +33,8 @@ default, then --config, then each --set; `--help` lists every key). Phases:
 The learners, the vLLM server and the tool services bind `[network] host` (loopback by default).
 CurveZMQ keys in `[learner.transport]` (curve_secret_key_file, curve_authorized_clients_dir) switch it on for
 the learners; the supervisor then makes a client certificate for its actor and SFT stream in
-RUN_DIR/curve/ (`Supervisor._learner_curve`). Off loopback it makes the learners' and the tool
-services' certificates too (`_tool_keys`) and a control token; on loopback without keys, none.
+RUN_DIR/curve/ (agentrl/credentials.py). Off loopback it makes the learners' and the tool
+services' certificates too and a control token; on loopback without keys, none.
 
 Every process the supervisor starts is stopped by PID (SIGTERM, then SIGKILL of its process
 group) at the end, on Ctrl-C, and when anything fails.
@@ -62,6 +62,7 @@ from agentrl.common.config import ConfigError, dump_toml, layer, to_dict
 from agentrl.common.files import read_jsonl, write_atomic
 from agentrl.common.procs import ChildProcess
 from agentrl.common.watchdog import RunLock, RunLockedError
+from agentrl.credentials import RunCredentials
 from agentrl.engine.environments import env_class
 from agentrl.engine.evaluation import GREEDY, evaluate, evaluate_baselines
 from agentrl.engine.services import Connections, Services, start_services
@@ -79,23 +80,6 @@ from agentrl.runconfig import (
 
 ANCHOR_DIR = "rl-anchor"
 """Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor.coef > 0)."""
-RUN_CLIENT = "agentrl-run"
-"""Name of the client certificate a run makes for its own connections to its learners (`_learner_curve`)."""
-RUN_LEARNER = "agentrl-run-learner"
-"""Name of the learners' server certificate a run makes off loopback when [learner.transport] names none."""
-RUN_TOOLS = "agentrl-run-tools"
-"""Name of the certificate of the tool services a run starts off loopback (`_tool_keys`)."""
-
-
-def _certificate(folder: Path, name: str) -> Path:
-    """folder/NAME.key_secret (0600) and its public half NAME.key, made once (kept across --resume)."""
-    import zmq.auth
-
-    secret = folder / f"{name}.key_secret"
-    if not secret.exists():
-        zmq.auth.create_certificates(folder, name)
-        secret.chmod(0o600)  # create_certificates leaves it to the umask
-    return secret
 
 
 def _agentrl(*args: str) -> list[str]:
@@ -158,10 +142,10 @@ class Supervisor:
         slice of the budget paid for them."""
         self.eval_episodes = None
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
-        self._curve: tuple[dict, dict] | None = None
-        """(learner keys, client keys) of the learners' sockets (`_learner_curve`), made once."""
+        self.credentials = RunCredentials(out, host=config.network.host, learner_transport=config.learner.transport,
+                                          external_vllm=bool(config.services.vllm))
         self.control_token: str | None = None
-        """The run's provisioned control token off loopback (`_provision_control_token`), else None."""
+        """The run's provisioned control token off loopback (`RunCredentials.control_token`), else None."""
 
     # -- bookkeeping
     def say(self, line: str) -> None:
@@ -217,35 +201,11 @@ class Supervisor:
 
         cfg = self.config
         self.model_dir = str(resolve_model(cfg.model_dir or None))
-        self.control_token = self._provision_control_token()
+        self.control_token = self.credentials.control_token()
         self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
                                              model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
                                              say=self.say, host=cfg.network.host, control_token=self.control_token,
-                                             tool_keys=self._tool_keys())
-
-    def _provision_control_token(self) -> str | None:
-        """Off loopback, the vLLM server's weight endpoints need a token (common/control_auth.py): the
-        run makes one (RUN_DIR/control_token, 0600, kept across --resume) unless this environment
-        has one. It goes to the server's and the learners' environments only (the learners' pushes
-        send it) and to this process's own requests, never to the actor, tool services or agent
-        programs, and never onto a command line or into a log. None on loopback."""
-        from agentrl.common.control_auth import CONTROL_TOKEN_ENV, is_loopback, use_control_token
-
-        if is_loopback(self.config.network.host) or self.config.services.vllm or os.environ.get(CONTROL_TOKEN_ENV):
-            return None
-        path = self.out / "control_token"
-        if not path.exists() or not path.read_text().strip():  # absent, or left empty by a crash
-            import secrets
-
-            partial = path.with_suffix(".partial")
-            partial.unlink(missing_ok=True)
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
-            partial.replace(path)
-        token = path.read_text().strip()
-        use_control_token(token)
-        return token
+                                             tool_keys=self.credentials.tools())
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -264,81 +224,11 @@ class Supervisor:
             self.say(f"removed {path}, left by a stopped process")
 
     # -- learner / actor processes
-    def _learner_curve(self) -> tuple[dict, dict]:
-        """CurveZMQ on the learners' sockets: (learner config keys, the client keys of the actor and
-        of the SFT stream); ({}, {}) on loopback without keys in `[learner.transport]`, and nothing is made.
-
-        With keys in `[learner.transport]`, the run makes a client certificate for its own connections
-        (RUN_DIR/curve/agentrl-run.key_secret, kept across --resume) and the learners admit it besides
-        the `*.key` of [learner.transport] curve_authorized_clients_dir (both copied into RUN_DIR/curve/clients);
-        the clients get the public half of [learner.transport] curve_secret_key_file (RUN_DIR/curve/learner.key),
-        never the secret file. Off loopback (`[network] host`) without keys in `[learner.transport]`, the run
-        also makes the learners' server certificate (RUN_DIR/curve/agentrl-run-learner.key_secret)
-        and admits its own client only. Secret files are 0600 in a 0700 folder."""
-        if self._curve is not None:
-            return self._curve
-        import zmq.auth
-
-        from agentrl.common.control_auth import is_loopback
-        from agentrl.common.curve import write_public_certificate
-
-        keys = self.config.learner.transport.curve_keys()
-        if keys is None and is_loopback(self.config.network.host):
-            self._curve = ({}, {})
-            return self._curve
-        folder = self._curve_folder()
-        client_secret = _certificate(folder, RUN_CLIENT)
-        if keys is not None:
-            given = sorted(Path(keys.authorized_clients_dir).glob("*.key"))
-            if any(cert.name == f"{RUN_CLIENT}.key" for cert in given):
-                raise ConfigError(f"learner.transport.curve_authorized_clients_dir: {keys.authorized_clients_dir} holds a {RUN_CLIENT}.key, "
-                                  "the name of the run's own client certificate; rename it")
-            server_public_key, learner_keys = keys.public_key, {}
-        else:
-            given = []
-            server_secret = _certificate(folder, RUN_LEARNER)
-            server_public_key, _ = zmq.auth.load_certificate(server_secret)
-            learner_keys = {"curve_secret_key_file": str(server_secret)}
-        clients = folder / "clients"
-        shutil.rmtree(clients, ignore_errors=True)
-        clients.mkdir()
-        for cert in [*given, folder / f"{RUN_CLIENT}.key"]:
-            shutil.copyfile(cert, clients / cert.name)
-        server_public = folder / "learner.key"
-        write_public_certificate(server_public, server_public_key)
-        self._curve = ({**learner_keys, "curve_authorized_clients_dir": str(clients)},
-                       {"curve_server_key": str(server_public), "curve_client_key": str(client_secret)})
-        return self._curve
-
-    def _curve_folder(self) -> Path:
-        folder = self.out / "curve"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        return folder
-
-    def _tool_keys(self):
-        """Off loopback (`[network] host`): the CurveZMQ certificates of the tool services the run
-        starts (RUN_DIR/curve/agentrl-run-tools.key_secret, kept across --resume), which admit only
-        the run's own client certificate (RUN_DIR/curve/tool-clients/); None on loopback."""
-        from agentrl.common.control_auth import is_loopback
-        from agentrl.engine.services import ToolServiceKeys
-
-        if is_loopback(self.config.network.host):
-            return None
-        folder = self._curve_folder()
-        client_secret = _certificate(folder, RUN_CLIENT)
-        server_secret = _certificate(folder, RUN_TOOLS)
-        clients = folder / "tool-clients"
-        shutil.rmtree(clients, ignore_errors=True)
-        clients.mkdir()
-        shutil.copyfile(folder / f"{RUN_CLIENT}.key", clients / f"{RUN_CLIENT}.key")
-        return ToolServiceKeys(server_secret=str(server_secret), authorized_clients=str(clients),
-                               server_public=str(folder / f"{RUN_TOOLS}.key"), client_secret=str(client_secret))
-
     def _learner_config(self, phase: str, overrides: dict) -> tuple[Path, dict]:
         base = layer(to_dict(self.config.learner), overrides)
         data = {
             **base,
-            "transport": {**base["transport"], **self._learner_curve()[0],
+            "transport": {**base["transport"], **self.credentials.learner()[0],
                           "group_endpoint": _free_endpoint(self.config.network.host),
                           "version_endpoint": _free_endpoint(self.config.network.host)},
             "output_dir": str(self.out / phase),
@@ -366,7 +256,7 @@ class Supervisor:
             "model_dir": self.model_dir,
             "group_endpoint": learner_data["transport"]["group_endpoint"],
             "version_endpoint": learner_data["transport"]["version_endpoint"],
-            **self._learner_curve()[1],
+            **self.credentials.learner()[1],
             "max_group_frame_bytes": cfg.learner.transport.max_group_frame_bytes,
             "out_dir": str(self.out / "actor"),
             "tasks": to_dict(cfg.tasks),
@@ -553,7 +443,7 @@ class Supervisor:
         overrides = sft_learner_overrides(cfg.sft)
         config_path, data = self._learner_config("sft", overrides)
         learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)), control=True)
-        client = self._learner_curve()[1]
+        client = self.credentials.learner()[1]
         sender = GroupSender(data["transport"]["group_endpoint"], max_unacked=8,
                              max_frame_bytes=self.config.learner.transport.max_group_frame_bytes,
                              curve=load_client_keys(client.get("curve_server_key"), client.get("curve_client_key")))

@@ -40,15 +40,15 @@ def test_off_loopback_every_tool_service_binds_there_with_the_runs_keys(host, tm
     import zmq.auth
 
     from agentrl.common.config import build
+    from agentrl.credentials import RunCredentials
     from agentrl.engine.services import CommandSource, ServicesConfig, _curve, start_services
-    from agentrl.runconfig import NetworkConfig, TrainConfig
+    from agentrl.learner.config import LearnerTransportConfig
     from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
-    from agentrl.train import Supervisor
 
     (tmp_path / "adder.py").write_text(SERVICE)
-    supervisor = Supervisor(TrainConfig(network=NetworkConfig(host=host)), tmp_path / "run")
     (tmp_path / "run").mkdir()
-    keys = supervisor._tool_keys()
+    credentials = RunCredentials(tmp_path / "run", host=host, learner_transport=LearnerTransportConfig(), external_vllm=False)
+    keys = credentials.tools()
     curve = tmp_path / "run" / "curve"
     assert stat.S_IMODE((curve / "agentrl-run-tools.key_secret").stat().st_mode) == 0o600
     assert [p.name for p in Path(keys.authorized_clients).iterdir()] == ["agentrl-run.key"]
@@ -104,5 +104,5 @@ def test_on_loopback_the_run_makes_no_tool_keys(tmp_path):
     from agentrl.train import Supervisor
 
     supervisor = Supervisor(TrainConfig(), tmp_path / "run")
-    assert supervisor._tool_keys() is None
+    assert supervisor.credentials.tools() is None
     assert not (tmp_path / "run" / "curve").exists()
