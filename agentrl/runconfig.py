@@ -389,24 +389,26 @@ def config_data(config: TrainConfig) -> dict[str, Any]:
     return data
 
 
-def _has(data: dict, dotted: str) -> bool:
+def _parent(data: dict, dotted: str) -> tuple[dict | None, str]:
+    """The table of `data` that holds the dotted key `a.b.c` (None where a table on the way is
+    missing) and the key's last part."""
     *tables, key = dotted.split(".")
-    for table in tables:
-        data = data.get(table)
-        if not isinstance(data, dict):
-            return False
-    return key in data
+    for name in tables:
+        data = data.get(name) if isinstance(data, dict) else None
+    return (data if isinstance(data, dict) else None), key
+
+
+def _has(data: dict, dotted: str) -> bool:
+    table, key = _parent(data, dotted)
+    return table is not None and key in table
 
 
 def _without(learner_data: dict) -> dict:
     """`learner_data` without the keys the supervisor fills in (SUPERVISOR_LEARNER_KEYS)."""
     data = copy.deepcopy(learner_data)
     for dotted in SUPERVISOR_LEARNER_KEYS:
-        *tables, key = dotted.split(".")
-        table = data
-        for name in tables:
-            table = table.get(name) if isinstance(table, dict) else None
-        if isinstance(table, dict):
+        table, key = _parent(data, dotted)
+        if table is not None:
             table.pop(key, None)
     return data
 
