@@ -77,6 +77,17 @@ def init_distributed(timeout_s: float = 600.0, device: torch.device | None = Non
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
+def close_distributed(completed: bool) -> None:
+    """Leave the process group. `completed`: this rank finished its work normally, so every rank
+    meets at a barrier first; no rank then closes its gloo connections while a peer still has a
+    collective or a write in flight on them (a rank that left early aborted its peer's teardown:
+    "terminate called without an active exception", SIGABRT). A rank leaving on an error skips the
+    barrier: its peers may be gone, and the barrier would wait out the collective timeout."""
+    if completed:
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def launched_world_size() -> int:
     """WORLD_SIZE set by torchrun, 1 without it (a plain process)."""
     return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1

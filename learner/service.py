@@ -58,15 +58,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from agentrl.common.config import ConfigError, build, read_toml
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import GroupReceiver, VersionPublisher
 from agentrl.learner.checkpoint import save_checkpoint
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.devices import resolve_device
-from agentrl.learner.distributed import RankGroup, init_distributed, launched_world_size
+from agentrl.learner.distributed import RankGroup, close_distributed, init_distributed, launched_world_size
 from agentrl.learner.intake import Intake
 from agentrl.learner.ledger import Ledger, Spool
 from agentrl.learner.metrics import MetricsWriter
@@ -339,9 +337,13 @@ def main(argv: list[str]) -> int:
     rank, world = init_distributed(config.dist_timeout_s, device)
     print(f"learner rank {rank}/{world} pid {os.getpid()}", file=sys.stderr, flush=True)
     group = RankGroup(rank, world)
+    completed = False
     try:
         if rank == 0:
-            return asyncio.run(Learner(config, Leader(config, device, group)).run())
-        return follow(config, device, group)
+            code = asyncio.run(Learner(config, Leader(config, device, group)).run())
+        else:
+            code = follow(config, device, group)
+        completed = code == 0
+        return code
     finally:
-        torch.distributed.destroy_process_group()
+        close_distributed(completed)

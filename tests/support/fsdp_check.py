@@ -21,6 +21,7 @@ if __name__ == "__main__":  # run as a script by torchrun (with -P: the tests fo
 
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches  # noqa: E402
 from agentrl.learner.distributed import (  # noqa: E402
+    close_distributed,
     equalise_micro_batches,
     full_state,
     init_distributed,
@@ -98,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file: {batch name: result} for every check batch")
     args = parser.parse_args(argv)
     rank, world = init_distributed(timeout_s=120.0)  # a check that hangs fails in 2 minutes
+    completed = False
     try:
         result = {batch: run_check_step(rank, world, batch) for batch in CHECK_BATCHES}
         if rank == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f)
+        completed = True
     finally:
-        torch.distributed.destroy_process_group()
+        close_distributed(completed)
     return 0
 
 
