@@ -45,6 +45,7 @@ from agentrl.engine.environments import env_class, env_options
 from agentrl.engine.orchestrator import OrchestratorConfig
 from agentrl.engine.services import ServicesConfig, ToolSource, builtin_tools, check_tool_sources
 from agentrl.engine.tasksets import TasksConfig, loader_options, resolve_loader
+from agentrl.launch.plan import ClusterConfig
 from agentrl.learner.config import LearnerConfig
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "cpu_default.toml"
@@ -198,6 +199,8 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """[cluster]: where the run's processes go: this host (default) or the nodes of a Ray cluster."""
     """[network]: where the run's endpoints bind, and the credentials it provisions off loopback."""
 
     def __post_init__(self) -> None:

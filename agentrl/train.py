@@ -65,6 +65,7 @@ from agentrl.common.watchdog import RunLock, RunLockedError
 from agentrl.credentials import RunCredentials
 from agentrl.engine.environments import env_class
 from agentrl.engine.evaluation import GREEDY, evaluate, evaluate_baselines
+from agentrl.engine.roles import agentrl_argv
 from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
@@ -82,10 +83,6 @@ ANCHOR_DIR = "rl-anchor"
 """Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor.coef > 0)."""
 
 
-def _agentrl(*args: str) -> list[str]:
-    return [sys.executable, "-P", "-m", "agentrl.cli", *args]
-
-
 def _single_group(group_id: str, traj):
     """A group of one trajectory (an SFT or anchor demonstration) under `group_id`."""
     from agentrl.common.trajectory import TrajectoryGroup
@@ -93,10 +90,15 @@ def _single_group(group_id: str, traj):
     return TrajectoryGroup(group_id, traj.task_id, [dataclasses.replace(traj, group_id=group_id)])
 
 
-def _free_endpoint(host: str = "127.0.0.1") -> str:
-    from agentrl.engine.serve import free_port
+def make_launcher(config: TrainConfig, out: Path):
+    """The launcher `[cluster] launcher` names (agentrl/launch/)."""
+    if config.cluster.launcher == "ray":
+        from agentrl.launch.ray_launcher import RayLauncher
 
-    return f"tcp://{host}:{free_port(host)}"
+        return RayLauncher(config.cluster, out)
+    from agentrl.engine.roles import LocalLauncher
+
+    return LocalLauncher(config.network.host)
 
 
 def write_episode_texts(path: Path, trajectories, chat) -> None:
@@ -123,7 +125,8 @@ def _write_sample(path: Path, trajectories, chat) -> None:
 class Supervisor:
     def __init__(self, config: TrainConfig, out: Path, *, resume: bool = False, progress: Progress | None = None):
         self.config, self.out, self.resume = config, out, resume
-        self.procs: list[ChildProcess] = []
+        self.procs: list = []
+        """The launcher's slots of the learners and the actor, in start order."""
         self.services: Services | None = None
         self.conn: Connections | None = None
         self.phases_path = out / "phases.json"
@@ -142,7 +145,9 @@ class Supervisor:
         slice of the budget paid for them."""
         self.eval_episodes = None
         """The `[agent]` runner held-out evaluations use (None: native episodes)."""
-        self.credentials = RunCredentials(out, host=config.network.host, learner_transport=config.learner.transport,
+        self.launcher = make_launcher(config, out)
+        """Where each process of the run goes (agentrl/launch/): this host, or a Ray cluster's nodes."""
+        self.credentials = RunCredentials(out, host=self.launcher.host, learner_transport=config.learner.transport,
                                           external_vllm=bool(config.services.vllm))
         self.control_token: str | None = None
         """The run's provisioned control token off loopback (`RunCredentials.control_token`), else None."""
@@ -204,14 +209,15 @@ class Supervisor:
         self.control_token = self.credentials.control_token()
         self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
                                              model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
-                                             say=self.say, host=cfg.network.host, control_token=self.control_token,
-                                             tool_keys=self.credentials.tools())
+                                             say=self.say, host=self.launcher.host, control_token=self.control_token,
+                                             tool_keys=self.credentials.tools(), launcher=self.launcher)
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop(timeout_s=60)
         if self.services is not None:
             self.services.stop()
+        self.launcher.close()
         self._sweep_weights()
 
     def _sweep_weights(self) -> None:
@@ -224,13 +230,14 @@ class Supervisor:
             self.say(f"removed {path}, left by a stopped process")
 
     # -- learner / actor processes
-    def _learner_config(self, phase: str, overrides: dict) -> tuple[Path, dict]:
+    def _learner_config(self, phase: str, overrides: dict):
+        """The learner's place (its endpoints are free ports there) and its config file."""
+        slot = self.launcher.place(f"learner-{phase}", "learner")
         base = layer(to_dict(self.config.learner), overrides)
         data = {
             **base,
             "transport": {**base["transport"], **self.credentials.learner()[0],
-                          "group_endpoint": _free_endpoint(self.config.network.host),
-                          "version_endpoint": _free_endpoint(self.config.network.host)},
+                          "group_endpoint": slot.free_endpoint(), "version_endpoint": slot.free_endpoint()},
             "output_dir": str(self.out / phase),
             "mode": "sft" if phase == "sft" else "rl",
             "model_dir": self.model_dir,
@@ -243,7 +250,7 @@ class Supervisor:
         from agentrl.learner.service import check_runnable, load_config
 
         check_runnable(load_config(path), str(path))  # the learner's own rules, in the supervisor
-        return path, data
+        return slot, path, data
 
     def _actor_config(self, learner_data: dict) -> Path:
         """Write RUN_DIR/actor.toml: the actor-side sections of the run, the services, and the
@@ -268,16 +275,35 @@ class Supervisor:
         path.write_text(dump_toml(actor_cfg))
         return path
 
-    def _start(self, name: str, argv: list[str], *, control: bool = False) -> ChildProcess:
-        """Start a child of the run; `control`: it pushes weights, and gets the run's control token
-        (if any) in its environment."""
+    def _start(self, slot, argv: tuple[str, ...], *, control: bool = False):
+        """Start a process of the run in `slot` (a launcher's place); `control`: it pushes weights,
+        and gets the run's control token (if any) in its environment."""
         from agentrl.common.control_auth import CONTROL_TOKEN_ENV
+        from agentrl.engine.roles import CommandRole
 
-        env = {**os.environ, CONTROL_TOKEN_ENV: self.control_token} if control and self.control_token else None
-        proc = ChildProcess(name, argv, log_path=self.out / "logs" / f"{name}.log", env=env).start()
-        self.procs.append(proc)
-        self.say(f"started {name} (pid {proc.pid}, log {proc.log_path})")
-        return proc
+        env = {CONTROL_TOKEN_ENV: self.control_token} if control and self.control_token else {}
+        log_path = self.out.resolve() / "logs" / f"{slot.name}.log"
+        slot.start(CommandRole(slot.name, argv, str(log_path), env=env, cwd=os.getcwd()))
+        self.procs.append(slot)
+        where = f" on {slot.host}" if self.launcher.name != "local" else ""
+        self.say(f"started {slot.name}{where} (pid {slot.pid}, log {log_path})")
+        return slot
+
+    def _replace_slot(self, slot):
+        """Where a died process of `slot` starts again: the same place while its host is there (its
+        config's endpoints stay valid); a new one on another node when the host was lost, as long as
+        that node has the same address (the actor keeps the learner's endpoints for the whole run)."""
+        from agentrl.launch.ray_launcher import HOST_LOST
+
+        if slot.poll() != HOST_LOST:
+            return slot
+        new = self.launcher.place(slot.name, "learner")
+        if new.host != slot.host:
+            new.stop()
+            raise RuntimeError(f"{slot.name}: its node ({slot.host}) was lost, and the node Ray placed it on next has "
+                               f"another address ({new.host}); the actor cannot follow a learner that moved yet")
+        self.say(f"{slot.name}: its node was lost; placed again on node {new.node_id[:12]}")
+        return new
 
     # -- phases
     async def run(self) -> dict:
@@ -441,8 +467,8 @@ class Supervisor:
                  f"minutes at the latest (the SFT and final evaluations and rl_min_share = {cfg.rl_min_share} of the "
                  "budget come after it)")
         overrides = sft_learner_overrides(cfg.sft)
-        config_path, data = self._learner_config("sft", overrides)
-        learner = self._start("learner-sft", _agentrl("learner", "--config", str(config_path)), control=True)
+        slot, config_path, data = self._learner_config("sft", overrides)
+        learner = self._start(slot, agentrl_argv("learner", "--config", str(config_path.resolve())), control=True)
         client = self.credentials.learner()[1]
         sender = GroupSender(data["transport"]["group_endpoint"], max_unacked=8,
                              max_frame_bytes=self.config.learner.transport.max_group_frame_bytes,
@@ -541,13 +567,14 @@ class Supervisor:
             overrides["init_checkpoint"] = str(self.out / "sft" / "checkpoints")
         if cfg.learner.anchor.coef > 0:
             overrides["anchor_dir"] = str(await self._write_anchor())
-        config_path, data = self._learner_config("rl", overrides)
+        learner_slot, config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)
+        learner_argv = agentrl_argv("learner", "--config", str(config_path.resolve()))
         self._phase("rl")
         rl_start = time.monotonic()
         rl_eval_s = 0.0  # the RL-phase evaluations' time, counted with the evaluations
-        learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)), control=True)
-        actor = self._start("actor", _agentrl("actor", "--config", str(actor_path)))
+        learner = self._start(learner_slot, learner_argv, control=True)
+        actor = self._start(self.launcher.place("actor", "actor"), agentrl_argv("actor", "--config", str(actor_path.resolve())))
         next_eval = time.monotonic() + cfg.eval.every_s
         try:
             def rl_end() -> float:  # an evaluation outside the budget moves the deadline
@@ -569,7 +596,7 @@ class Supervisor:
                     self.say(f"learner exited with {rc}; restarting it (restart {self.learner_restarts}), "
                              "it resumes from its checkpoint")
                     self.procs.remove(learner)
-                    learner = self._start("learner-rl", _agentrl("learner", "--config", str(config_path)), control=True)
+                    learner = self._start(self._replace_slot(learner), learner_argv, control=True)
                 max_eval_s = cfg.eval.max_share * cfg.minutes * 60 if cfg.eval.in_budget else math.inf
                 if rl_eval_fits(time.monotonic(), self.evals[self.first_eval_of_this_process:], next_eval_s=next_eval,
                                 rl_end_s=rl_end(), in_budget=cfg.eval.in_budget, max_eval_s=max_eval_s):
@@ -744,6 +771,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", default=None, help="continue the run in this directory (its config.toml)")
     parser.add_argument("--vllm", action="append", default=[], help="use this vLLM server (repeatable) instead of starting one")
     parser.add_argument("--tool-endpoint", action="append", default=[], help="use this tool service (repeatable)")
+    parser.add_argument("--launcher", choices=("local", "ray"), default=None,
+                        help="same as --set cluster.launcher=NAME: where the run's processes go (ray: a Ray cluster's nodes)")
+    parser.add_argument("--ray-address", default=None, help="same as --set cluster.address=ADDR (Ray's own address argument)")
     return parser
 
 
@@ -756,6 +786,10 @@ def resolve_args(args: argparse.Namespace):
         sets.append((f"services.vllm={json.dumps(args.vllm)}", "--vllm " + " ".join(args.vllm)))
     if args.tool_endpoint:
         sets.append((f"services.tool_endpoints={json.dumps(args.tool_endpoint)}", "--tool-endpoint " + " ".join(args.tool_endpoint)))
+    if args.launcher:
+        sets.append((f"cluster.launcher={json.dumps(args.launcher)}", f"--launcher {args.launcher}"))
+    if args.ray_address:
+        sets.append((f"cluster.address={json.dumps(args.ray_address)}", f"--ray-address {args.ray_address}"))
     if args.resume:
         run_config = Path(args.resume) / "config.toml"
         if not run_config.is_file():

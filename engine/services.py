@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -33,6 +32,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Discriminator, Tag
 
 from agentrl.common.config import ConfigError, FilePath, PluginRef, config_dataclass
+from agentrl.common.procs import ChildStartError
 from agentrl.engine.env import EnvConfig
 from agentrl.toolservers.functions import CURVE_AUTHORIZED_CLIENTS_ENV, CURVE_SECRET_KEY_ENV
 from agentrl.toolservers.sandbox import SandboxConfig
@@ -270,15 +270,21 @@ def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: 
 async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
                          model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True,
                          host: str = "127.0.0.1", control_token: str | None = None,
-                         tool_keys: ToolServiceKeys | None = None) -> Services:
+                         tool_keys: ToolServiceKeys | None = None, launcher=None) -> Services:
     """Start the tool services and (unless `start_vllm` is False: `agentrl check`) the vLLM server
     the config does not point at, all bound to `host`. Off loopback the vLLM server needs a control
     token (`control_token`, else AGENTRL_CONTROL_TOKEN in this environment) and the tool services
     CurveZMQ certificates (`tool_keys`): built-in services get them as options, `[[tools]] command`
     services in CURVE_SECRET_KEY_ENV / CURVE_AUTHORIZED_CLIENTS_ENV, and the clients the client
-    side's pair. On failure every process started so far is stopped before the error propagates."""
+    side's pair. On failure every process started so far is stopped before the error propagates.
+
+    `launcher` places each process (agentrl/launch/): None is this host (`LocalLauncher(host)`); under
+    a cluster launcher each binds its own node's address, and `host` is the driver's (off loopback)."""
     from agentrl.common.control_auth import is_loopback
-    from agentrl.engine.serve import VLLMServer, VLLMServerConfig
+    from agentrl.engine.roles import LocalLauncher, VLLMRole
+    from agentrl.engine.serve import VLLMServerConfig
+
+    launcher = launcher or LocalLauncher(host)
 
     if not is_loopback(host) and tool_keys is None:
         raise ConfigError(f"network.host = {host!r}: tool services bound off loopback need CurveZMQ certificates "
@@ -292,7 +298,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                 endpoints = []
                 for r in range(source.replicas):
                     proc = await asyncio.to_thread(_start_command, source.command, logs / f"tool-command{i}-{r}.log",
-                                                   f"tools[{i}]", source.cwd, curve)
+                                                   f"tools[{i}]", source.cwd, curve, launcher)
                     services.procs.append(proc)
                     endpoints.append(proc.endpoint)
                     say(f"tool service tools[{i}] #{r}: {proc.endpoint} (pid {proc.pid})")
@@ -315,23 +321,22 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             replicas = source.replicas if source else (config.search_replicas if name == "search" else 1)
             endpoints = []
             for r in range(replicas):
-                proc = await asyncio.to_thread(_start_builtin, name, args, logs / f"tool-{name}-{r}.log", curve)
+                proc = await asyncio.to_thread(_start_builtin, name, args, logs / f"tool-{name}-{r}.log", curve, launcher)
                 services.procs.append(proc)
                 endpoints.append(proc.endpoint)
                 say(f"tool service {name} #{r}: {proc.endpoint} (pid {proc.pid})")
             services.remote.append(curve.remote(name, endpoints))
         if not services.vllm_urls and start_vllm:
-            server = VLLMServer(
-                VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_server.dtype,
-                                 max_model_len=config.vllm_server.max_model_len,
-                                 gpu_memory_utilization=config.vllm_server.gpu_memory_utilization,
-                                 kv_cache_gib=config.vllm_server.kv_cache_gib),
-                log_path=logs / "vllm.log", control_token=control_token)
-            services.vllm_server = server
-            say(f"starting vLLM server (log {server.log_path}) ...")
-            await asyncio.to_thread(server.start)
-            say(f"vLLM server: {server.base_url} (pid {server.pid})")
-            services.vllm_urls = [server.base_url]
+            server_config = VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_server.dtype,
+                                             max_model_len=config.vllm_server.max_model_len,
+                                             gpu_memory_utilization=config.vllm_server.gpu_memory_utilization,
+                                             kv_cache_gib=config.vllm_server.kv_cache_gib)
+            slot = launcher.place("vllm", "inference")
+            services.vllm_server = slot
+            say(f"starting vLLM server (log {logs / 'vllm.log'}) ...")
+            await asyncio.to_thread(slot.start, VLLMRole("vllm", server_config, str(logs / "vllm.log"), control_token))
+            say(f"vLLM server: {slot.endpoint} (pid {slot.pid})")
+            services.vllm_urls = [slot.endpoint]
     except BaseException:
         await asyncio.to_thread(services.stop)
         raise
@@ -353,23 +358,17 @@ class ToolCurve:
     host: str
     keys: ToolServiceKeys | None
 
-    def bind(self) -> str:
-        from agentrl.engine.serve import free_port
-
-        return f"tcp://{self.host}:{free_port(self.host)}"
-
     def server_options(self) -> list[str]:
         """The options of `agentrl toolserver` that switch CurveZMQ on ([] without keys)."""
         if self.keys is None:
             return []
         return ["--curve-secret-key", self.keys.server_secret, "--curve-authorized-clients", self.keys.authorized_clients]
 
-    def server_env(self) -> dict[str, str] | None:
-        """The environment of a command service: this one's, and the certificate files' paths."""
+    def server_env(self) -> dict[str, str]:
+        """What a command service's environment adds to its host's: the certificate files' paths."""
         if self.keys is None:
-            return None
-        return {**os.environ, CURVE_SECRET_KEY_ENV: self.keys.server_secret,
-                CURVE_AUTHORIZED_CLIENTS_ENV: self.keys.authorized_clients}
+            return {}
+        return {CURVE_SECRET_KEY_ENV: self.keys.server_secret, CURVE_AUTHORIZED_CLIENTS_ENV: self.keys.authorized_clients}
 
     def remote(self, name: str, endpoints: list[str]) -> RemoteService:
         if self.keys is None:
@@ -377,29 +376,35 @@ class ToolCurve:
         return RemoteService(name, endpoints, self.keys.server_public, self.keys.client_secret)
 
 
-def _start_builtin(name: str, args: list[str], log_path: Path, curve: ToolCurve):
-    from agentrl.toolservers.process import start_toolserver
+def _start_builtin(name: str, args: list[str], log_path: Path, curve: ToolCurve, launcher):
+    """A built-in tool service placed by `launcher`, bound on its host to a port the OS picks there."""
+    from agentrl.engine.roles import CommandRole, agentrl_argv
+    from agentrl.toolservers.process import ToolServerStartError
 
-    return start_toolserver(name, f"tcp://{curve.host}:*", *curve.server_options(), *args, log_path=str(log_path))
+    slot = launcher.place(log_path.stem, "tools")
+    argv = agentrl_argv("toolserver", name, "--bind", "tcp://{host}:*", *curve.server_options(), *args)
+    try:
+        return slot.start(CommandRole(log_path.stem, argv, str(log_path), ready_prefix="READY "))
+    except ChildStartError as err:
+        raise ToolServerStartError(str(err)) from None
 
 
 class ToolCommandError(ConfigError):
     """A user tool service that could not start (it exited, or printed no READY line)."""
 
 
-def _start_command(command: list[str], log_path: Path, key: str, cwd: str | None = None,
-                   curve: ToolCurve = ToolCurve("127.0.0.1", None)):
-    from agentrl.common.procs import ChildStartError
-    from agentrl.toolservers.process import ToolServerProcess
+def _start_command(command: list[str], log_path: Path, key: str, cwd: str | None, curve: ToolCurve, launcher):
+    """A `[[tools]] command` service placed by `launcher`; its "{bind}" is a free port of its host."""
+    from agentrl.engine.roles import CommandRole
 
     check_command(command, f"{key}.command", cwd, ToolCommandError)
-    argv = [find_program(command[0], cwd), *(part.replace("{bind}", curve.bind()) for part in command[1:])]
-    proc = ToolServerProcess(key, argv, log_path=str(log_path), cwd=cwd, env=curve.server_env()).start()
+    slot = launcher.place(log_path.stem, "tools")
+    role = CommandRole(key, (find_program(command[0], cwd), *command[1:]), str(log_path), env=curve.server_env(),
+                       ready_prefix="READY ", cwd=cwd)
     try:
-        proc.endpoint = proc.wait_for_line("READY ", 120.0).split(" ", 1)[1]
+        return slot.start(role)
     except ChildStartError as err:
         raise ToolCommandError(f"{key}.command {' '.join(command)!r} did not start: {err}") from None
-    return proc
 
 
 async def group_tool_endpoints(endpoints: list[str]) -> dict[str, list[str]]:

@@ -1,0 +1,177 @@
+"""The roles a run starts, as data a launcher can send to another host; `start_role`, which starts
+one on the host it is run on; and `LocalLauncher`, which places every role on this host.
+
+A launcher's `place(name, kind)` gives a slot: `host` (the address roles there bind),
+`free_endpoint()` (a free port there), `start(role)` (then `endpoint`, `pid`, `poll()`,
+`signal(sig)`, `stop(timeout_s)`, `log_tail()`). `kind` is one of "tools", "inference", "learner",
+"actor"; a cluster launcher (agentrl/launch/) uses it to choose the node.
+
+A role's argv may hold two placeholders, filled on the host that starts it: "{host}" (the address
+the role binds there) and "{bind}" (a tcp endpoint on a free port of that host). The environment is
+the host's own plus `env`; secrets travel in `env` or in files, never on the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from agentrl.common.procs import ChildProcess
+
+
+@dataclass(frozen=True)
+class CommandRole:
+    """A process started from an argv (a tool service, a learner, the actor)."""
+
+    name: str
+    argv: tuple[str, ...]
+    log_path: str
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the host's environment."""
+    ready_prefix: str = ""
+    """Wait for a stdout line starting with this ("READY "); its second word is the role's endpoint.
+    Empty: the role is started without waiting and has no endpoint."""
+    ready_timeout_s: float = 120.0
+    term_group: bool = False
+    cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class VLLMRole:
+    """A vLLM server (engine/serve.py) bound to the host's address; its endpoint is its base URL."""
+
+    name: str
+    config: Any
+    """An `engine.serve.VLLMServerConfig`; its `host` is replaced by the host's address."""
+    log_path: str
+    control_token: str | None = None
+    timeout_s: float = 300.0
+
+
+Role = CommandRole | VLLMRole
+
+
+class Running:
+    """A started role on this host: its process, its endpoint, and the child-process answers."""
+
+    def __init__(self, name: str, proc: Any, endpoint: str):
+        self.name, self.proc, self.endpoint = name, proc, endpoint
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.proc.log_path)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        """`sig` to the role's leading process (fault-injection tests send SIGKILL)."""
+        if self.proc.poll() is None and self.proc.pid is not None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        return self.proc.stop(timeout_s)
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return self.proc.log_tail(num_lines)
+
+
+def fill_argv(argv: tuple[str, ...], host: str) -> list[str]:
+    """The argv with "{host}" and "{bind}" filled for `host` (each "{bind}" a different free port)."""
+    from agentrl.engine.serve import free_port
+
+    return [part.replace("{bind}", f"tcp://{host}:{free_port(host)}") if "{bind}" in part else part.replace("{host}", host)
+            for part in argv]
+
+
+def start_role(role: Role, host: str) -> Running:
+    """Start `role` on this host, its endpoints bound to `host`; returns once it is ready (a READY
+    line, a healthy server). On failure nothing it started is left running."""
+    if isinstance(role, VLLMRole):
+        from agentrl.engine.serve import VLLMServer
+
+        server = VLLMServer(replace(role.config, host=host), log_path=role.log_path, control_token=role.control_token)
+        server.start(role.timeout_s)
+        return Running(role.name, server, server.base_url)
+    env = {**os.environ, **role.env} if role.env else None
+    argv = fill_argv(role.argv, host)
+    if not role.ready_prefix:
+        proc = ChildProcess(role.name, argv, log_path=role.log_path, env=env, term_group=role.term_group, cwd=role.cwd).start()
+        return Running(role.name, proc, "")
+    from agentrl.toolservers.process import ToolServerProcess
+
+    proc = ToolServerProcess(role.name, argv, log_path=role.log_path, env=env, cwd=role.cwd).start()
+    line = proc.wait_for_line(role.ready_prefix, role.ready_timeout_s)  # ChildStartError, group killed, on failure
+    return Running(role.name, proc, line.split(" ", 1)[1].strip())
+
+
+def agentrl_argv(*args: str) -> tuple[str, ...]:
+    """`python -P -m agentrl.cli ARGS` with this interpreter (the same path on every host of a cluster)."""
+    return (sys.executable, "-P", "-m", "agentrl.cli", *args)
+
+
+
+
+class LocalSlot:
+    """A place on this host for one role."""
+
+    def __init__(self, name: str, host: str):
+        self.name, self.host = name, host
+        self.running: Running | None = None
+
+    def free_endpoint(self) -> str:
+        from agentrl.engine.serve import free_port
+
+        return f"tcp://{self.host}:{free_port(self.host)}"
+
+    def start(self, role: Role) -> LocalSlot:
+        if self.running is not None and self.running.poll() is None:
+            raise RuntimeError(f"{self.name}: already running (pid {self.running.pid})")
+        self.running = start_role(role, self.host)
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return self.running.endpoint if self.running else ""
+
+    @property
+    def pid(self) -> int | None:
+        return self.running.pid if self.running else None
+
+    @property
+    def log_path(self):
+        return self.running.log_path if self.running else None
+
+    def poll(self) -> int | None:
+        return self.running.poll() if self.running else None
+
+    def signal(self, sig: int) -> None:
+        if self.running is not None:
+            self.running.signal(sig)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        return self.running.stop(timeout_s) if self.running else None
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return self.running.log_tail(num_lines) if self.running else "(not started)"
+
+
+class LocalLauncher:
+    name = "local"
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        """The address every role binds (`[network] host`)."""
+
+    def place(self, name: str, kind: str) -> LocalSlot:
+        return LocalSlot(name, self.host)
+
+    def close(self) -> None:
+        """Nothing to release: each slot's owner stops it."""
