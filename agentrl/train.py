@@ -285,8 +285,7 @@ class Supervisor:
         log_path = self.out.resolve() / "logs" / f"{slot.name}.log"
         slot.start(CommandRole(slot.name, argv, str(log_path), env=env, cwd=os.getcwd()))
         self.procs.append(slot)
-        where = f" on {slot.host}" if self.launcher.name != "local" else ""
-        self.say(f"started {slot.name}{where} (pid {slot.pid}, log {log_path})")
+        self.say(f"started {slot.name}{slot.where} (pid {slot.pid}, log {log_path})")
         return slot
 
     def _replace_slot(self, slot):

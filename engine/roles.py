@@ -122,6 +122,9 @@ def agentrl_argv(*args: str) -> tuple[str, ...]:
 class LocalSlot:
     """A place on this host for one role."""
 
+    where = ""
+    """Where the slot is, for log lines ("" on this host)."""
+
     def __init__(self, name: str, host: str):
         self.name, self.host = name, host
         self.running: Running | None = None

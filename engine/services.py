@@ -4,8 +4,8 @@ Tools come from three places, all added together (none replaces another):
 - the environment's `required_tools` and `[services] tools`: built-in services (search over the
   task set's corpus, the python sandbox, the calculator), started here;
 - `[[tools]]` entries (`ToolSource`): a built-in by name; your own tool service started here from
-  a command (it must print `READY <endpoint>`; "{bind}" in the command becomes a free loopback
-  endpoint); running endpoints elsewhere (`tcp://HOST:PORT`, CurveZMQ keys for non-loopback
+  a command (it must print `READY <endpoint>`; "{bind}" in the command becomes a free endpoint of
+  the host it runs on); running endpoints elsewhere (`tcp://HOST:PORT`, CurveZMQ keys for non-loopback
   hosts); in-process Python functions (`package.module:function`, schema from type hints and
   docstring, or given); MCP servers (stdio command or streamable-HTTP URL);
 - `[services] tool_endpoints` / `--tool-endpoint`: running services, grouped by the tools each
@@ -301,7 +301,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                                                    f"tools[{i}]", source.cwd, curve, launcher)
                     services.procs.append(proc)
                     endpoints.append(proc.endpoint)
-                    say(f"tool service tools[{i}] #{r}: {proc.endpoint} (pid {proc.pid})")
+                    say(f"tool service tools[{i}] #{r}: {proc.endpoint}{proc.where} (pid {proc.pid})")
                 services.remote.append(curve.remote(f"tools[{i}]", endpoints))
             elif isinstance(source, EndpointsSource):
                 services.remote.append(RemoteService(f"tools[{i}]", list(source.endpoints), source.curve_server_key,
@@ -324,7 +324,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                 proc = await asyncio.to_thread(_start_builtin, name, args, logs / f"tool-{name}-{r}.log", curve, launcher)
                 services.procs.append(proc)
                 endpoints.append(proc.endpoint)
-                say(f"tool service {name} #{r}: {proc.endpoint} (pid {proc.pid})")
+                say(f"tool service {name} #{r}: {proc.endpoint}{proc.where} (pid {proc.pid})")
             services.remote.append(curve.remote(name, endpoints))
         if not services.vllm_urls and start_vllm:
             server_config = VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_server.dtype,
@@ -335,7 +335,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             services.vllm_server = slot
             say(f"starting vLLM server (log {logs / 'vllm.log'}) ...")
             await asyncio.to_thread(slot.start, VLLMRole("vllm", server_config, str(logs / "vllm.log"), control_token))
-            say(f"vLLM server: {slot.endpoint} (pid {slot.pid})")
+            say(f"vLLM server: {slot.endpoint}{slot.where} (pid {slot.pid})")
             services.vllm_urls = [slot.endpoint]
     except BaseException:
         await asyncio.to_thread(services.stop)

@@ -48,7 +48,7 @@ class ClusterConfig:
     place_timeout_s: float = 120.0
     """How long a role may wait for a node with its resources before the run stops with the resources
     it asked for and those the cluster has."""
-    tools: RoleResources = field(default_factory=lambda: RoleResources(cpus=0.0))
+    tools: RoleResources = field(default_factory=RoleResources)
     """Each tool service replica; replicas of one service are spread over the nodes that offer these."""
     inference: RoleResources = field(default_factory=RoleResources)
     """Each vLLM server (with its own multiprocessing executor inside its reservation)."""

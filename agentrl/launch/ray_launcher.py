@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from agentrl.engine.roles import Role, Running, start_role
+from agentrl.engine.roles import CommandRole, Role, Running, start_role
 from agentrl.launch.plan import ClusterConfig, ray_actor_options
 
 HOST_LOST = -1000
@@ -37,6 +38,10 @@ class RoleHost:
         from agentrl.common.procs import ChildProcess
 
         self.running: Running | None = None
+        # What Ray sets for its workers that the role's processes must not take: a breakpoint() that
+        # opens Ray's remote debugger. OMP_NUM_THREADS stays: Ray sets it from the reservation.
+        if os.environ.get("PYTHONBREAKPOINT", "").startswith("ray."):
+            del os.environ["PYTHONBREAKPOINT"]
         argv = [sys.executable, "-P", "-m", "agentrl.common.watchdog", str(os.getpid())]
         self.watchdog = ChildProcess("watchdog", argv, log_path=watchdog_log).start()
 
@@ -92,6 +97,7 @@ class RaySlot:
         self.log_path = log_path
         self.lost = False
         self.released = False
+        self.where = f" on node {node_id[:12]} ({host})"
 
     def _call(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
         import ray
@@ -102,6 +108,10 @@ class RaySlot:
         return self._call("free_endpoint")
 
     def start(self, role: Role) -> RaySlot:
+        # Paths as this driver means them: its working directory is not the host actor's.
+        role = replace(role, log_path=str(Path(role.log_path).resolve()))
+        if isinstance(role, CommandRole) and role.cwd is None:
+            role = replace(role, cwd=os.getcwd())
         timeout_s = getattr(role, "timeout_s", getattr(role, "ready_timeout_s", 120.0)) + CALL_TIMEOUT_S
         self.log_path = Path(role.log_path)
         self.pid, self.endpoint = self._call("start", role, timeout_s=timeout_s)

@@ -1,0 +1,75 @@
+"""The launch seam without a cluster: the placement rule for each kind of role, `[cluster]` in the run
+config, the placeholders a role's host fills, and the local launcher starting a real tool service."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from agentrl.common.config import ConfigError, build
+from agentrl.engine.roles import CommandRole, LocalLauncher, agentrl_argv, fill_argv
+from agentrl.launch.plan import ClusterConfig, ray_actor_options
+from agentrl.runconfig import load_run_config
+
+
+def test_each_kind_asks_for_its_own_reservation_and_only_tools_spread():
+    cluster = build(ClusterConfig, {"tools": {"resource": "agentrl_tools"},
+                                    "inference": {"cpus": 4, "gpus": 1, "resource": "agentrl_inference"},
+                                    "learner": {"cpus": 8, "gpus": 2}})
+    tools = ray_actor_options("tools", cluster)
+    assert tools["resources"] == {"agentrl_tools": 1} and tools["num_cpus"] == 1 and tools["scheduling_strategy"] == "SPREAD"
+    inference = ray_actor_options("inference", cluster)
+    assert (inference["num_cpus"], inference["num_gpus"], inference["resources"]) == (4, 1, {"agentrl_inference": 1})
+    learner = ray_actor_options("learner", cluster)
+    assert (learner["num_cpus"], learner["num_gpus"], learner["resources"]) == (8, 2, {})
+    assert learner["scheduling_strategy"] == inference["scheduling_strategy"] == "DEFAULT"
+    # The supervisor decides about restarts (and where): Ray never restarts a host by itself.
+    assert {ray_actor_options(k, cluster)["max_restarts"] for k in ("tools", "inference", "learner", "actor")} == {0}
+    with pytest.raises(ValueError, match="unknown role kind 'gpu'"):
+        ray_actor_options("gpu", cluster)
+
+
+def test_cluster_keys_resolve_from_the_command_line_and_bad_ones_are_refused():
+    config = load_run_config(None, ["cluster.launcher=\"ray\"", "cluster.address=\"auto\"",
+                                    "cluster.tools.resource=\"agentrl_tools\""]).config
+    assert (config.cluster.launcher, config.cluster.address, config.cluster.tools.resource) == ("ray", "auto", "agentrl_tools")
+    assert load_run_config(None, []).config.cluster.launcher == "local"  # the default places nothing elsewhere
+    with pytest.raises(ConfigError, match=r"cluster\.launcher"):
+        load_run_config(None, ["cluster.launcher=\"slurm\""])
+    with pytest.raises(ConfigError, match=r"cluster\.learner.*must be >= 0"):
+        load_run_config(None, ["cluster.learner.cpus=-1"])
+    with pytest.raises(ConfigError, match=r"cluster\.inference\.gpu"):
+        load_run_config(None, ["cluster.inference.gpu=1"])  # a typo of `gpus`
+
+
+def test_the_host_that_starts_a_role_fills_its_address_and_ports():
+    argv = fill_argv(("serve", "--bind", "{bind}", "--also", "{bind}", "--host", "{host}"), "127.0.0.1")
+    binds = [argv[2], argv[4]]
+    assert all(re.fullmatch(r"tcp://127\.0\.0\.1:\d+", b) for b in binds) and binds[0] != binds[1]
+    assert argv[-1] == "127.0.0.1" and argv[0] == "serve"
+
+
+def test_local_launcher_starts_a_tool_service_that_binds_its_own_port(tmp_path):
+    slot = LocalLauncher("127.0.0.1").place("tool-calculator-0", "tools")
+    assert slot.host == "127.0.0.1" and slot.poll() is None and slot.where == ""
+    role = CommandRole("calculator", agentrl_argv("toolserver", "calculator", "--bind", "tcp://{host}:*"),
+                       str(tmp_path / "calc.log"), ready_prefix="READY ")
+    slot.start(role)
+    try:
+        assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", slot.endpoint) and not slot.endpoint.endswith(":*")
+        assert slot.poll() is None
+        with pytest.raises(RuntimeError, match="already running"):
+            slot.start(role)
+    finally:
+        assert slot.stop(10) is not None
+    assert slot.poll() is not None
+
+
+def test_a_role_that_exits_before_ready_reports_its_log(tmp_path):
+    slot = LocalLauncher().place("broken", "tools")
+    role = CommandRole("broken", (sys.executable, "-c", "import sys; print('no such corpus', file=sys.stderr); sys.exit(3)"),
+                       str(tmp_path / "broken.log"), ready_prefix="READY ")
+    with pytest.raises(RuntimeError, match=r"exited with 3 before READY(.|\n)*no such corpus"):
+        slot.start(role)

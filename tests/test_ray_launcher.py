@@ -1,0 +1,235 @@
+"""The Ray launcher on a real Ray cluster of simulated nodes (`ray.cluster_utils.Cluster`: one raylet
+per node on this machine, a head with no CPUs so that nothing runs there by accident).
+
+1. Placement: tool services go to the node that advertises the tool resource, bind that node's
+   address and answer calls; a host actor killed takes its role's process with it (its watchdog) and
+   reads as lost; a role no node can take stops with the resources it asked for.
+2. A whole `agentrl train --launcher ray` run over five nodes (inference, learner, a spare learner,
+   tools, actor): the learner's node is removed mid-RL and the learner starts again on the spare
+   from its checkpoint; then the driver is SIGKILLed and no process of the run may be left 30 s
+   later; `--resume` finishes the run, and every group is trained exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from agentrl.common.config import build
+from agentrl.common.proctable import all_processes, descendants, read_proc, same_process
+from agentrl.engine.roles import CommandRole, agentrl_argv
+from agentrl.launch.plan import ClusterConfig
+from agentrl.launch.ray_launcher import HOST_LOST, RayLauncher, RayPlacementError
+from agentrl.learner.checkpoint import load_latest_checkpoint
+from agentrl.toolservers.client import ToolClient
+
+
+def _cluster(nodes: dict[str, dict]) -> tuple[Cluster, dict]:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    added = {name: cluster.add_node(num_cpus=2, resources=resources) for name, resources in nodes.items()}
+    cluster.wait_for_nodes()
+    return cluster, added
+
+
+def _gone_within(pids: list[int], timeout_s: float) -> list:
+    infos = [info for pid in pids if (info := read_proc(pid)) is not None]
+    deadline = time.monotonic() + timeout_s
+    while (left := [i for i in infos if same_process(i)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp_path):
+    cluster, nodes = _cluster({"tools": {"agentrl_tools": 2}, "other": {}})
+    ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
+    try:
+        config = build(ClusterConfig, {"launcher": "ray", "tools": {"resource": "agentrl_tools"}, "place_timeout_s": 5})
+        launcher = RayLauncher(config, tmp_path)
+        slots = [launcher.place(f"tool-calculator-{r}", "tools") for r in range(2)]
+        assert {s.node_id for s in slots} == {nodes["tools"].node_id}
+        for slot in slots:
+            slot.start(CommandRole(slot.name, agentrl_argv("toolserver", "calculator", "--bind", "tcp://{host}:*"),
+                                   str(tmp_path / "logs" / f"{slot.name}.log"), ready_prefix="READY "))
+            assert slot.endpoint.startswith(f"tcp://{slot.host}:"), slot.endpoint  # bound there, port chosen there
+
+        async def call() -> str:
+            async with ToolClient([s.endpoint for s in slots]) as client:
+                return str((await client.call("calculator", {"expression": "6*7"})).content)
+
+        assert "42" in asyncio.run(call())
+
+        # The host actor killed: the watchdog it started stops the service; the slot reads as lost.
+        victim = slots[0]
+        ray.kill(victim.actor)
+        assert not _gone_within([victim.pid], 15), "the tool service outlived its host actor"
+        assert victim.poll() == HOST_LOST
+        assert slots[1].poll() is None
+
+        with pytest.raises(RayPlacementError, match=r"asks for .*'nowhere'"):
+            RayLauncher(build(ClusterConfig, {"learner": {"resource": "nowhere"}, "place_timeout_s": 3}),
+                        tmp_path).place("learner-rl", "learner")
+        launcher.close()
+        assert not _gone_within([slots[1].pid], 15)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+CONFIG = """
+minutes = 4.0
+[tasks.options]
+heldout_num = 6
+heldout_hops = [1]
+transfer_num = 0
+num_train = 64
+demonstration_hops = [1]
+[[tasks.options.curriculum]]
+hops = [1]
+[services]
+tools = ["search"]
+search_replicas = 2
+[env]
+worked_example = true
+max_turns = 2
+max_action_tokens = 48
+max_total_tokens = 2048
+[orchestrator]
+group_size = 4
+max_concurrent_episodes = 16
+max_groups_in_flight = 4
+max_staleness = 2
+[sft]
+enabled = true
+num_examples = 16
+steps = 2
+[sft.learner]
+tokens_per_step = 2048
+[learner]
+tokens_per_step = 2048
+checkpoint.every = 1
+staleness_bound = 8
+anchor.coef = 0.0
+[learner.trainer]
+train_layers = 1
+train_embeddings = false
+max_row_tokens = 2048
+[eval]
+every_s = 100000.0
+baselines = false
+[cluster]
+launcher = "ray"
+[cluster.tools]
+resource = "agentrl_tools"
+[cluster.inference]
+resource = "agentrl_inference"
+cpus = 2
+[cluster.learner]
+resource = "agentrl_learner"
+cpus = 2
+[cluster.actor]
+resource = "agentrl_actor"
+"""
+
+
+def _metric_lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_line(lines: list[str], text: str, proc: subprocess.Popen, timeout_s: float, start: int = 0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in lines[start:]:
+            if text in line:
+                return line
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"no line with {text!r} within {timeout_s} s (rc {proc.poll()}):\n" + "\n".join(lines[-40:]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver(tmp_path):
+    import threading
+
+    cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "learner": {"agentrl_learner": 1},
+                               "spare": {"agentrl_learner": 1}, "tools": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
+    config = tmp_path / "ray.toml"
+    config.write_text(CONFIG)
+    out = tmp_path / "run"
+    argv = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
+            "--ray-address", cluster.address]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
+    node_of = {node.node_id[:12]: name for name, node in nodes.items()}
+    try:
+        started = _wait_line(lines, "started learner-rl", proc, 900)
+        placed = {line.split()[1].rstrip(":"): line for line in lines if " on node " in line}
+        for line in lines:  # every role on the node its resource names
+            if " on node " in line:
+                node = node_of[line.split(" on node ")[1].split()[0]]
+                kind = ("tools" if "tool service" in line else "inference" if "vLLM" in line else
+                        "actor" if "started actor" in line else "learner")
+                assert node == kind, line
+        assert node_of[started.split(" on node ")[1].split()[0]] == "learner", placed
+        metrics = out / "rl" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(_metric_lines(metrics)) < 2:
+            time.sleep(1.0)
+        assert len(_metric_lines(metrics)) >= 2, "\n".join(lines[-30:])
+
+        # The learner's node is lost: the learner starts again on the spare, from its checkpoint.
+        cluster.remove_node(nodes["learner"])
+        mark = len(lines)
+        moved = _wait_line(lines, "placed again on node", proc, 120, start=mark)
+        restarted = _wait_line(lines, "started learner-rl", proc, 120, start=mark)
+        assert node_of[restarted.split(" on node ")[1].split()[0]] == "spare", moved
+        trained_before = len(_metric_lines(metrics))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(_metric_lines(metrics)) <= trained_before:
+            time.sleep(1.0)
+        assert len(_metric_lines(metrics)) > trained_before, "\n".join(lines[-30:])
+
+        # SIGKILL the driver: Ray ends its host actors, whose watchdogs stop every process of the run.
+        table = all_processes()
+        role_pids = {int(line.split("(pid ")[1].split(")")[0]) for line in lines[mark:] + lines[:mark] if "(pid " in line}
+        run_pids = [pid for pid in descendants(role_pids, table)] + [pid for pid in role_pids if pid in table]
+        alive_roles = [pid for pid in role_pids if pid in table]
+        assert len(alive_roles) >= 5, (role_pids, "\n".join(lines))  # vLLM, 2 search, learner, actor
+        proc.kill()
+        left = _gone_within(run_pids, 30)
+        assert not left, f"30 s after SIGKILL of the driver, still alive: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    try:
+        resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out),
+                                  "--set", "minutes=2.0", "--ray-address", cluster.address],
+                                 capture_output=True, text=True, timeout=900)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+        assert summary["rl_steps"] >= 2 and summary["episodes"] > 0
+        # Exactly once: the last record of each step up to the checkpoint lists each group once, and
+        # those are the ledger's.
+        state = load_latest_checkpoint(out / "rl" / "checkpoints")
+        final_step = int(state["step"])
+        last_record_of_step = {r["step"]: r for r in _metric_lines(out / "rl" / "metrics.jsonl")}
+        seen = [g for step, r in sorted(last_record_of_step.items()) if step <= final_step for g in r.get("group_ids", [])]
+        assert seen and len(seen) == len(set(seen)), "a group was trained at two steps"
+        assert set(seen) == set(state["ledger"]["trained"])
+    finally:
+        cluster.shutdown()
