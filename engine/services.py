@@ -505,7 +505,7 @@ class Connections:
             self.env = make_env(self.chat, self.env_config)
             self.tools = []
             for service in self.remote:
-                client = await self._stack.enter_async_context(ToolClient(service.endpoints, **_curve(service)))
+                client = await self._stack.enter_async_context(ToolClient(service.endpoints, **tool_client_keys(service)))
                 self.tools += await remote_tools(client)
             for i, source in enumerate(self.local):
                 if isinstance(source, FunctionSource):
@@ -539,7 +539,7 @@ class Connections:
         await self._stack.aclose()
 
 
-def _curve(service: RemoteService) -> dict:
+def tool_client_keys(service: RemoteService) -> dict:
     from agentrl.common.curve import load_client_keys
 
     keys = load_client_keys(service.curve_server_key, service.curve_client_key,

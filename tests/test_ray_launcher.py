@@ -26,6 +26,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from agentrl.common.config import build
+from agentrl.credentials import RunCredentials
+from agentrl.engine.services import ToolCurve, tool_client_keys
 from agentrl.common.proctable import all_processes, descendants, read_proc, same_process
 from agentrl.engine.roles import CommandRole, agentrl_argv
 from agentrl.launch.plan import ClusterConfig
@@ -56,15 +58,19 @@ def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp
     try:
         config = build(ClusterConfig, {"launcher": "ray", "tools": {"resource": "agentrl_tools"}, "place_timeout_s": 5})
         launcher = RayLauncher(config, tmp_path)
+        # Off loopback the services admit only the run's client certificate (as `agentrl train` provisions).
+        curve = ToolCurve(launcher.host, RunCredentials(tmp_path, host=launcher.host, learner_transport=None,
+                                                        external_vllm=False).tools())
         slots = [launcher.place(f"tool-calculator-{r}", "tools") for r in range(2)]
         assert {s.node_id for s in slots} == {nodes["tools"].node_id}
         for slot in slots:
-            slot.start(CommandRole(slot.name, agentrl_argv("toolserver", "calculator", "--bind", "tcp://{host}:*"),
+            slot.start(CommandRole(slot.name, agentrl_argv("toolserver", "calculator", "--bind", "tcp://{host}:*",
+                                                           *curve.server_options()),
                                    str(tmp_path / "logs" / f"{slot.name}.log"), ready_prefix="READY "))
             assert slot.endpoint.startswith(f"tcp://{slot.host}:"), slot.endpoint  # bound there, port chosen there
 
         async def call() -> str:
-            async with ToolClient([s.endpoint for s in slots]) as client:
+            async with ToolClient([s.endpoint for s in slots], **tool_client_keys(curve.remote("calculator", []))) as client:
                 return str((await client.call("calculator", {"expression": "6*7"})).content)
 
         assert "42" in asyncio.run(call())
@@ -93,7 +99,6 @@ heldout_num = 6
 heldout_hops = [1]
 transfer_num = 0
 num_train = 64
-demonstration_hops = [1]
 [[tasks.options.curriculum]]
 hops = [1]
 [services]
@@ -110,11 +115,7 @@ max_concurrent_episodes = 16
 max_groups_in_flight = 4
 max_staleness = 2
 [sft]
-enabled = true
-num_examples = 16
-steps = 2
-[sft.learner]
-tokens_per_step = 2048
+enabled = false
 [learner]
 tokens_per_step = 2048
 checkpoint.every = 1
@@ -176,26 +177,26 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
     node_of = {node.node_id[:12]: name for name, node in nodes.items()}
     try:
         started = _wait_line(lines, "started learner-rl", proc, 900)
-        placed = {line.split()[1].rstrip(":"): line for line in lines if " on node " in line}
         for line in lines:  # every role on the node its resource names
             if " on node " in line:
                 node = node_of[line.split(" on node ")[1].split()[0]]
                 kind = ("tools" if "tool service" in line else "inference" if "vLLM" in line else
                         "actor" if "started actor" in line else "learner")
-                assert node == kind, line
-        assert node_of[started.split(" on node ")[1].split()[0]] == "learner", placed
+                assert node == kind or (kind, node) == ("learner", "spare"), line
+        first = node_of[started.split(" on node ")[1].split()[0]]
+        other = {"learner": "spare", "spare": "learner"}[first]
         metrics = out / "rl" / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and len(_metric_lines(metrics)) < 2:
             time.sleep(1.0)
         assert len(_metric_lines(metrics)) >= 2, "\n".join(lines[-30:])
 
-        # The learner's node is lost: the learner starts again on the spare, from its checkpoint.
-        cluster.remove_node(nodes["learner"])
+        # The learner's node is lost: the learner starts again on the other learner node, from its checkpoint.
+        cluster.remove_node(nodes[first])
         mark = len(lines)
         moved = _wait_line(lines, "placed again on node", proc, 120, start=mark)
         restarted = _wait_line(lines, "started learner-rl", proc, 120, start=mark)
-        assert node_of[restarted.split(" on node ")[1].split()[0]] == "spare", moved
+        assert node_of[restarted.split(" on node ")[1].split()[0]] == other, moved
         trained_before = len(_metric_lines(metrics))
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and len(_metric_lines(metrics)) <= trained_before:
@@ -204,7 +205,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 
         # SIGKILL the driver: Ray ends its host actors, whose watchdogs stop every process of the run.
         table = all_processes()
-        role_pids = {int(line.split("(pid ")[1].split(")")[0]) for line in lines[mark:] + lines[:mark] if "(pid " in line}
+        role_pids = {int(line.split("(pid ")[1].split(")")[0].split(",")[0]) for line in lines[mark:] + lines[:mark] if "(pid " in line}
         run_pids = [pid for pid in descendants(role_pids, table)] + [pid for pid in role_pids if pid in table]
         alive_roles = [pid for pid in role_pids if pid in table]
         assert len(alive_roles) >= 5, (role_pids, "\n".join(lines))  # vLLM, 2 search, learner, actor
@@ -222,7 +223,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
                                  capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-        assert summary["rl_steps"] >= 2 and summary["episodes"] > 0
+        assert summary["optimizer_steps"] >= 3 and summary["episodes"] > 0  # RL steps across the moved learner and the resume
         # Exactly once: the last record of each step up to the checkpoint lists each group once, and
         # those are the ledger's.
         state = load_latest_checkpoint(out / "rl" / "checkpoints")

@@ -41,7 +41,7 @@ def test_off_loopback_every_tool_service_binds_there_with_the_runs_keys(host, tm
 
     from agentrl.common.config import build
     from agentrl.credentials import RunCredentials
-    from agentrl.engine.services import CommandSource, ServicesConfig, _curve, start_services
+    from agentrl.engine.services import CommandSource, ServicesConfig, tool_client_keys, start_services
     from agentrl.learner.config import LearnerTransportConfig
     from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
 
@@ -71,7 +71,7 @@ def test_off_loopback_every_tool_service_binds_there_with_the_runs_keys(host, tm
             for service in services.remote:
                 (endpoint,) = service.endpoints
                 assert urlparse(endpoint).hostname == host, endpoint
-                async with ToolClient(service.endpoints, **_curve(service)) as client:
+                async with ToolClient(service.endpoints, **tool_client_keys(service)) as client:
                     names = [spec["function"]["name"] for spec in await client.describe()]
                     if "add" in names:
                         answers["add"] = await client.call("add", {"a": 2, "b": 3})

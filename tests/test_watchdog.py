@@ -56,6 +56,39 @@ def test_sigkilled_owner_leaves_no_process_behind():
     assert time.monotonic() - t0 >= 2.0
 
 
+DETACHING_OWNER = """
+import os, subprocess, sys, time
+wd = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.common.watchdog", str(os.getpid()), "--grace-s", "2",
+                       "--detach"], stdout=subprocess.PIPE, text=True)
+watchdog = int(wd.stdout.readline().split()[1])
+wd.wait()
+role = subprocess.Popen(["bash", "-c", "sleep 1000 & sleep 1000 & wait"])  # a child with children of its own
+time.sleep(1.5)
+print(watchdog, role.pid, flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_detached_watchdog_outlives_the_owners_children_and_stops_their_children():
+    """What a Ray worker's exit does: the worker and its direct children are SIGKILLed at once. A
+    detached watchdog is none of them, and stops what the role started itself."""
+    owner = subprocess.Popen([sys.executable, "-P", "-c", DETACHING_OWNER], stdout=subprocess.PIPE, text=True)
+    watchdog, role = map(int, owner.stdout.readline().split())
+    assert read_proc(watchdog).ppid != owner.pid
+    grandchildren = _tree_of({role}) - {role}
+    assert len(grandchildren) == 2, grandchildren
+    direct_children = {pid for pid in _tree_of({owner.pid}) if read_proc(pid).ppid == owner.pid}
+    assert role in direct_children and watchdog not in direct_children
+    for pid in direct_children:  # as Ray does when a worker exits
+        os.kill(pid, signal.SIGKILL)
+    owner.kill()
+    owner.wait()
+    t0 = time.monotonic()
+    while (left := {p for p in grandchildren | {watchdog} if read_proc(p) is not None}) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert not left, f"still alive {time.monotonic() - t0:.1f} s after the owner and its child were killed: {left}"
+
+
 def test_watchdog_told_to_stop_signals_nothing():
     owner = subprocess.Popen([sys.executable, "-P", "-c", OWNER], stdout=subprocess.PIPE, text=True)
     try:

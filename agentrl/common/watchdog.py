@@ -1,7 +1,7 @@
 """A run's watchdog: when the process that owns a run dies by any means (SIGKILL included), every
 process it started dies too, within `grace_s` plus one poll.
 
-    python -m agentrl.common.watchdog OWNER_PID [--poll-s 0.5] [--grace-s 5]
+    python -m agentrl.common.watchdog OWNER_PID [--poll-s 0.5] [--grace-s 5] [--detach]
 
 Why a separate process: the supervisor starts its children in their own sessions (a terminal's
 Ctrl-C reaches only the supervisor, which stops them in order), so nothing signals them when the
@@ -13,6 +13,11 @@ process group). Once the owner is gone it sends SIGTERM to every descendant stil
 start time: a reused pid is never signalled) and to the groups they lead, so each stops its own
 children in order; after `grace_s` it SIGKILLs whatever is left. It exits once the owner and all
 its descendants are gone, or on SIGTERM from the owner (a run that ended normally).
+
+`--detach`: the watchdog forks away from whoever started it (printing `WATCHDOG PID` on stdout, then
+closing it), so it is no child of the owner. A Ray worker is such an owner: when it exits, Ray kills
+its direct children, which would take an attached watchdog along and leave the grandchildren (a
+vLLM server's engine processes) behind.
 
 It also keeps the run directory's lock (an inherited descriptor of `RunLock`'s file) held until
 then, so `agentrl train --resume` refuses while any process of the old run is still alive.
@@ -117,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("owner_pid", type=int)
     ap.add_argument("--poll-s", type=float, default=0.5)
     ap.add_argument("--grace-s", type=float, default=5.0)
+    ap.add_argument("--detach", action="store_true", help="fork away from the caller; print WATCHDOG PID")
     args = ap.parse_args(argv)
+    if args.detach:
+        if os.fork():
+            os._exit(0)
+        os.setsid()
+        print(f"WATCHDOG {os.getpid()}", flush=True)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the owner's to handle
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the owner stopped everything itself
     Watchdog(args.owner_pid, poll_s=args.poll_s, grace_s=args.grace_s).watch()

@@ -18,6 +18,8 @@ hosts keeps on storage every node mounts (README, "A cluster").
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,15 +37,24 @@ class RoleHost:
     """On one node: the role's process and a watchdog that outlives this actor."""
 
     def __init__(self, watchdog_log: str):
-        from agentrl.common.procs import ChildProcess
+        from agentrl.common.proctable import read_proc
 
         self.running: Running | None = None
         # What Ray sets for its workers that the role's processes must not take: a breakpoint() that
         # opens Ray's remote debugger. OMP_NUM_THREADS stays: Ray sets it from the reservation.
         if os.environ.get("PYTHONBREAKPOINT", "").startswith("ray."):
             del os.environ["PYTHONBREAKPOINT"]
-        argv = [sys.executable, "-P", "-m", "agentrl.common.watchdog", str(os.getpid())]
-        self.watchdog = ChildProcess("watchdog", argv, log_path=watchdog_log).start()
+        # Detached: Ray kills a worker's direct children when it exits, the watchdog among them if it
+        # were one, and the role's own children (vLLM's engine processes) would be left behind.
+        argv = [sys.executable, "-P", "-m", "agentrl.common.watchdog", str(os.getpid()), "--detach"]
+        with open(watchdog_log, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+        line = proc.stdout.readline().decode()
+        proc.stdout.close()
+        proc.wait()
+        if not line.startswith("WATCHDOG "):
+            raise RuntimeError(f"the watchdog did not start (exit {proc.returncode}); log {watchdog_log}")
+        self.watchdog = read_proc(int(line.split()[1]))
 
     def address(self) -> str:
         import ray
@@ -82,9 +93,12 @@ class RoleHost:
 
     def close(self) -> None:
         """Stop the role, then the watchdog (a clean end: nothing left for it to do)."""
+        from agentrl.common.proctable import same_process
+
         if self.running is not None:
             self.running.stop(30.0)
-        self.watchdog.stop(10.0)
+        if self.watchdog is not None and same_process(self.watchdog):
+            os.kill(self.watchdog.pid, signal.SIGTERM)
 
 
 class RaySlot:
