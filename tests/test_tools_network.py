@@ -41,7 +41,7 @@ def test_off_loopback_every_tool_service_binds_there_with_the_runs_keys(host, tm
 
     from agentrl.common.config import build
     from agentrl.credentials import RunCredentials
-    from agentrl.engine.services import CommandSource, ServicesConfig, tool_client_keys, start_services
+    from agentrl.engine.services import CommandSource, ServicesConfig, start_services, tool_client_keys
     from agentrl.learner.config import LearnerTransportConfig
     from agentrl.toolservers.client import ToolClient, ToolServiceUnavailable
 
