@@ -128,6 +128,7 @@ class Supervisor:
         self.procs: list = []
         """The launcher's slots of the learners and the actor, in start order."""
         self.services: Services | None = None
+        self.services_lost: set[str] = set()
         self.conn: Connections | None = None
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
@@ -287,6 +288,19 @@ class Supervisor:
         self.procs.append(slot)
         self.say(f"started {slot.name}{slot.where} (pid {slot.pid}, log {log_path})")
         return slot
+
+    def _check_services(self) -> None:
+        """A service the run started that exited: the vLLM server stops the run (episodes could only
+        fail); a tool service is said once (its calls go to other replicas or fail as tool errors).
+        Neither is started again yet (docs/notes/issue-28.md)."""
+        for slot, code in self.services.exited():
+            if slot is self.services.vllm_server:
+                raise RuntimeError(f"the vLLM server{slot.where} exited with {code} (log {slot.log_path}); a lost server "
+                                   f"is not started again yet: `agentrl train --resume {self.out}` continues the run")
+            if slot.name not in self.services_lost:
+                self.services_lost.add(slot.name)
+                self.say(f"tool service {slot.name}{slot.where} exited with {code} (log {slot.log_path}): its calls go "
+                         "to its other replicas, or fail as tool errors the model sees; it is not started again")
 
     def _replace_slot(self, slot):
         """Where a died process of `slot` starts again: the same place while its host is there (its
@@ -584,6 +598,7 @@ class Supervisor:
                 await asyncio.sleep(2.0)
                 if actor.poll() is not None:
                     raise RuntimeError(f"actor exited with {actor.poll()}; log {actor.log_path}:\n{actor.log_tail()}")
+                self._check_services()
                 rc = learner.poll()
                 if rc is not None:
                     if rc == 0:

@@ -250,6 +250,12 @@ class Services:
     procs: list = field(default_factory=list)
     vllm_server: object | None = None
 
+    def exited(self) -> list[tuple[Any, int]]:
+        """The processes started here that are no longer running, with their exit codes (a slot whose
+        host was lost reads the launcher's code for that)."""
+        started = [*self.procs, *([self.vllm_server] if self.vllm_server is not None else [])]
+        return [(slot, code) for slot in started if (code := slot.poll()) is not None]
+
     def stop(self) -> None:
         """Stop what was started here, by PID (given endpoints are left running)."""
         for proc in reversed(self.procs):

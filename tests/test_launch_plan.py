@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import pytest
 
@@ -73,3 +74,23 @@ def test_a_role_that_exits_before_ready_reports_its_log(tmp_path):
                        str(tmp_path / "broken.log"), ready_prefix="READY ")
     with pytest.raises(RuntimeError, match=r"exited with 3 before READY(.|\n)*no such corpus"):
         slot.start(role)
+
+
+def test_services_say_which_of_their_processes_exited(tmp_path):
+    """What the supervisor checks during RL: a service process that ended (the vLLM server stops the
+    run, a tool replica is reported), with its exit code."""
+    from agentrl.engine.services import Services
+
+    launcher = LocalLauncher()
+    slots = [launcher.place(f"svc-{i}", "tools").start(CommandRole(f"svc-{i}", ("sleep", "60"), str(tmp_path / f"{i}.log")))
+             for i in range(2)]
+    services = Services(vllm_urls=[], procs=slots)
+    try:
+        assert services.exited() == []
+        slots[1].signal(9)
+        deadline = time.monotonic() + 10
+        while slots[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert services.exited() == [(slots[1], -9)]
+    finally:
+        services.stop()

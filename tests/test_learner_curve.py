@@ -280,7 +280,7 @@ def _supervisor(tmp_path, learner: LearnerConfig):
 
 def test_without_keys_the_supervisor_makes_none_and_passes_none(tmp_path):
     supervisor = _supervisor(tmp_path, LearnerConfig())
-    path, data = supervisor._learner_config("rl", {})
+    _, path, data = supervisor._learner_config("rl", {})
     learner, actor = read_toml(path), read_toml(supervisor._actor_config(data))
     assert learner["transport"]["group_endpoint"].startswith("tcp://127.0.0.1:")
     assert not any(k.startswith("curve") for k in (*learner, *learner["transport"], *actor))
@@ -292,7 +292,7 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     run's own; the actor TOML gets the learner's public half and the run's client key; and those two
     files work against each other over real sockets."""
     supervisor = _supervisor(tmp_path, learner_config(keys))
-    path, data = supervisor._learner_config("rl", {})
+    _, path, data = supervisor._learner_config("rl", {})
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
     actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
     curve = tmp_path / "run" / "curve"
@@ -310,7 +310,7 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     finally:
         await sender.close()
         await receiver.close()
-    assert supervisor._learner_config("sft", {})[1]["transport"]["curve_authorized_clients_dir"] == learner.transport.curve_authorized_clients_dir
+    assert supervisor._learner_config("sft", {})[2]["transport"]["curve_authorized_clients_dir"] == learner.transport.curve_authorized_clients_dir
 
 
 async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_clients_get_through(tmp_path):
@@ -331,7 +331,7 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
     (tmp_path / "run").mkdir()
     supervisor.model_dir = str(tmp_path / "model")
     supervisor.services = SimpleNamespace(vllm_urls=[f"http://{host}:9"], remote=[], local=[])
-    path, data = supervisor._learner_config("rl", {})
+    _, path, data = supervisor._learner_config("rl", {})
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
     actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
     curve = tmp_path / "run" / "curve"
@@ -358,7 +358,7 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
         await sender.close()
         await receiver.close()
     # A second call (the SFT phase, a resumed run) keeps the same keys.
-    assert supervisor._learner_config("sft", {})[1]["transport"]["curve_secret_key_file"] == learner.transport.curve_secret_key_file
+    assert supervisor._learner_config("sft", {})[2]["transport"]["curve_secret_key_file"] == learner.transport.curve_secret_key_file
 
 
 def test_run_config_keys_go_in_learner_not_sft_learner(keys, tmp_path):

@@ -234,3 +234,41 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
         assert set(seen) == set(state["ledger"]["trained"])
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lost_inference_node_stops_the_run_saying_so(tmp_path):
+    """A lost server is not started again yet: the run must stop and say which server, where, and how
+    to continue, rather than fail every episode until its budget ends."""
+    cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "learner": {"agentrl_learner": 1},
+                               "tools": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
+    config = tmp_path / "ray.toml"
+    config.write_text(CONFIG)
+    out = tmp_path / "run"
+    try:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
+                                 "--ray-address", cluster.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        lines: list[str] = []
+        import threading
+
+        threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
+        try:
+            _wait_line(lines, "started actor", proc, 600)
+            served = next(line for line in lines if line.startswith("vLLM server:"))
+            server_pid = int(served.split("(pid ")[1].split(")")[0])
+            server_tree = [server_pid, *descendants({server_pid}, all_processes())]
+            cluster.remove_node(nodes["inference"])
+            assert proc.wait(timeout=120) != 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        time.sleep(1.0)  # the reader thread drains the pipe
+        text = "\n".join(lines)
+        assert f"the vLLM server on node {nodes['inference'].node_id[:12]}" in text, text[-3000:]
+        assert f"agentrl train --resume {out}" in text
+        assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
+    finally:
+        cluster.shutdown()
