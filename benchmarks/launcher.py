@@ -141,7 +141,7 @@ def main() -> None:
         cluster.shutdown()
 
     def median(launcher: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[launcher])
+        return round(statistics.median(r[key] for r in runs[launcher]), 4)
 
     avx512_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
     result = {
