@@ -199,9 +199,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    """[network]: where the run's endpoints bind, and the credentials it provisions off loopback."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """[cluster]: where the run's processes go: this host (default) or the nodes of a Ray cluster."""
-    """[network]: where the run's endpoints bind, and the credentials it provisions off loopback."""
 
     def __post_init__(self) -> None:
         if not self.minutes > 0:

@@ -65,7 +65,7 @@ from agentrl.common.watchdog import RunLock, RunLockedError
 from agentrl.credentials import RunCredentials
 from agentrl.engine.environments import env_class
 from agentrl.engine.evaluation import GREEDY, evaluate, evaluate_baselines
-from agentrl.engine.roles import agentrl_argv
+from agentrl.engine.roles import HOST_LOST, agentrl_argv
 from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
@@ -306,8 +306,6 @@ class Supervisor:
         """Where a died process of `slot` starts again: the same place while its host is there (its
         config's endpoints stay valid); a new one on another node when the host was lost, as long as
         that node has the same address (the actor keeps the learner's endpoints for the whole run)."""
-        from agentrl.launch.ray_launcher import HOST_LOST
-
         if slot.poll() != HOST_LOST:
             return slot
         new = self.launcher.place(slot.name, "learner")

@@ -117,6 +117,9 @@ def agentrl_argv(*args: str) -> tuple[str, ...]:
     return (sys.executable, "-P", "-m", "agentrl.cli", *args)
 
 
+HOST_LOST = -1000
+"""`poll()` of a slot whose host is gone (a launcher's node lost, or its host actor killed); a
+process on this host never reads so."""
 
 
 class LocalSlot:

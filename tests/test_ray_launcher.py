@@ -28,10 +28,10 @@ from ray.cluster_utils import Cluster
 from agentrl.common.config import build
 from agentrl.common.proctable import all_processes, descendants, read_proc, same_process
 from agentrl.credentials import RunCredentials
-from agentrl.engine.roles import CommandRole, agentrl_argv
+from agentrl.engine.roles import HOST_LOST, CommandRole, agentrl_argv
 from agentrl.engine.services import ToolCurve, tool_client_keys
 from agentrl.launch.plan import ClusterConfig
-from agentrl.launch.ray_launcher import HOST_LOST, RayLauncher, RayPlacementError
+from agentrl.launch.ray_launcher import RayLauncher, RayPlacementError
 from agentrl.learner.checkpoint import load_latest_checkpoint
 from agentrl.toolservers.client import ToolClient
 

@@ -24,11 +24,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agentrl.engine.roles import CommandRole, Role, Running, start_role
+from agentrl.engine.roles import HOST_LOST, CommandRole, Role, Running, start_role
 from agentrl.launch.plan import ClusterConfig, ray_actor_options
 
-HOST_LOST = -1000
-"""`poll()` of a role whose host actor is gone (its node lost, or the actor killed)."""
 CALL_TIMEOUT_S = 60.0
 """Bound on a call to a host actor other than `start` (a node that stopped answering)."""
 
