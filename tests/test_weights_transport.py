@@ -1,9 +1,9 @@
 """The weight transports against a vLLM server that cannot read this host's files: the server runs in
 its own mount namespace with a private /dev/shm and /tmp (`unshare --mount` + tmpfs), as a server on
 another host would. A `shm` push is refused with an error that names the `stream` transport; a
-push whose connection drops half way changes nothing; a `stream` push lands with 32 requests in
-flight, none lost, and the server then answers as the pushed weights do (the same greedy tokens as
-transformers' forward of those weights)."""
+push whose connection drops half way changes nothing; a `stream` push lands with 32 requests kept
+in flight, none lost and some spanning the swap, and the server then answers as the pushed weights
+do (the same greedy tokens as transformers' forward of those weights)."""
 
 from __future__ import annotations
 
@@ -86,15 +86,27 @@ async def test_pushes_reach_a_server_that_cannot_read_this_hosts_files_only_by_s
         assert await client.health()
         assert await _greedy(client, ids) == before and await client.weight_version() == version0
 
-        # stream, with 32 requests in flight: none lost, and the served model is the pushed one.
-        inflight = [asyncio.create_task(client.generate(ids, SamplingParams(max_tokens=96, temperature=1.0, seed=i,
-                                                                             ignore_eos=True))) for i in range(32)]
+        # stream, with 32 requests kept in flight until the push returns (each one that finishes is
+        # replaced, so the swap lands inside some of them whatever this machine's speed): none lost,
+        # some span the swap, and the served model is the pushed one.
+        pushed = asyncio.Event()
+
+        async def keep_generating(seed: int) -> list:
+            done = []
+            while not pushed.is_set():
+                done.append(await client.generate(ids, SamplingParams(max_tokens=96, temperature=1.0, seed=seed,
+                                                                      ignore_eos=True)))
+                seed += 32
+            return done
+
+        streams = [asyncio.create_task(keep_generating(i)) for i in range(32)]
         await asyncio.sleep(0.5)
         result = await push_weights(url, update, version0 + 1, transport="stream")
-        done = await asyncio.gather(*inflight)
+        pushed.set()
+        done = [g for stream in await asyncio.gather(*streams) for g in stream]
         assert result.transport == "stream" and result.bytes > 0
         assert all(len(g.token_ids) == 96 for g in done)
-        assert any(g.versions[-1] == version0 + 1 for g in done)
+        assert any(g.versions[0] == version0 and g.versions[-1] == version0 + 1 for g in done)
         after = await _greedy(client, ids)
         assert await client.weight_version() == version0 + 1
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
