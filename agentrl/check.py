@@ -40,13 +40,14 @@ def main(argv: list[str]) -> int:
                         help="override one key after --config (repeatable)")
     args = parser.parse_args(argv)
     from agentrl.engine.task import TaskError
-    from agentrl.runconfig import load_run_config
+    from agentrl.runconfig import check_model_fit, load_run_config
     from agentrl.toolservers.process import ToolServerStartError
 
     t0 = time.monotonic()
     try:
         config = load_run_config(args.config, args.sets).config
-    except ConfigError as err:
+        check_model_fit(config)
+    except (ConfigError, FileNotFoundError) as err:
         print(f"agentrl check: bad config:\n{err}", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="agentrl-check-"))

@@ -18,6 +18,12 @@ use the policy the way it was trained:
 Which weights: the latest checkpoint of the RL phase (or `--step N`), else of the SFT phase. The
 checkpoint's policy state is the learner's `PackedPolicy` (keys under `lm.`, plus a value head
 when GAE trained one, which is not part of the policy and is dropped).
+
+A run that trained LoRA adapters (`[learner.trainer.lora]`, learner/lora.py) exports the base
+weights with the adapter merged in (weight + alpha / rank x B @ A), the same folder as above; with
+`--adapter` it writes the `peft` adapter folder instead (adapter_config.json naming the base model,
+adapter_model.safetensors in float32, plus the tokenizer, agentrl/ and README.md), which
+`PeftModel.from_pretrained(base, DIR)` and `vllm serve BASE --enable-lora --lora-modules NAME=DIR` load.
 """
 
 from __future__ import annotations
@@ -64,6 +70,18 @@ def _readme(prompt: dict, info: dict, scores: dict) -> str:
     tools = "\n".join(f"- `{s['function']['name']}`: {s['function'].get('description', '')}" for s in prompt["tools"])
     example = "\n".join(f"    {role}: {content}" for role, content in prompt["example_messages"]) or "    (none)"
     score_lines = "\n".join(f"- {k}: {v}" for k, v in scores.items()) or "- (no evaluation recorded)"
+    load = ('from transformers import AutoModelForCausalLM, AutoTokenizer\n'
+            'tok = AutoTokenizer.from_pretrained("THIS_FOLDER")\n'
+            'model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")')
+    serve = ("Serve it with `agentrl serve-model --model THIS_FOLDER` (or `vllm serve`);\nevaluate it with "
+             "`agentrl eval --model THIS_FOLDER` (it uses `agentrl/config.toml`, the run's config).")
+    if info.get("contents") == "adapter":  # a peft adapter folder over the base model
+        serve = (f"Serve it with `vllm serve {info['base_model']} --enable-lora --max-lora-rank R --lora-modules "
+                 "policy=THIS_FOLDER`\n(R: the adapter's rank or more), requests naming the model `policy`; "
+                 "`agentrl export` without\n--adapter writes the merged model, which `agentrl eval --model` takes.")
+        load = ('from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n'
+                'tok = AutoTokenizer.from_pretrained("THIS_FOLDER")\n'
+                f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{info["base_model"]}"), "THIS_FOLDER")')
     return f"""# agentrl policy: {info['run']} ({info['phase']} step {info['step']})
 
 Trained with agentrl from `{info['base_model']}`. Policy version {info['step']}
@@ -72,9 +90,7 @@ Trained with agentrl from `{info['base_model']}`. Policy version {info['step']}
 ## Use it
 
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained("THIS_FOLDER")
-model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")
+{load}
 inputs = tok.apply_chat_template([{{"role": "user", "content": "{prompt['user_prefix']}..."}}], add_generation_prompt=True,
                                 return_dict=True, return_tensors="pt")
 out = model.generate(**inputs, max_new_tokens=96, do_sample=False)
@@ -82,8 +98,7 @@ print(tok.decode(out[0, inputs["input_ids"].shape[1]:]))
 ```
 
 The chat template adds the system prompt and worked example below when the conversation has no
-system message. Serve it with `agentrl serve-model --model THIS_FOLDER` (or `vllm serve`);
-evaluate it with `agentrl eval --model THIS_FOLDER` (it uses `agentrl/config.toml`, the run's config).
+system message. {serve}
 
 Tool calls are `<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>`; tool results come back
 in a `tool` turn as `<tool_response>...</tool_response>`; the final answer is `<answer>...</answer>`.
@@ -108,8 +123,28 @@ in a `tool` turn as `<tool_response>...</tool_response>`; the final answer is `<
 """
 
 
-def export(run: Path, out: Path, step: int | None = None) -> Path:
-    """Write the HF folder for `run` at `out` (atomically: built beside it, renamed into place)."""
+def _lora_split(config: dict, weights: dict, ckpt: Path):
+    """(base weights, adapter, LoraConfig, adapter layers) of a LoRA checkpoint's weights, or None
+    for full weights; ValueError when the checkpoint and the run's config disagree."""
+    from agentrl.common.config import build
+    from agentrl.learner.lora import adapter_tensors, base_weights, is_lora_state, lora_layer_indices
+    from agentrl.learner.trainer_config import TrainerConfig
+
+    trainer = build(TrainerConfig, config.get("learner", {}).get("trainer", {}), prefix=("learner", "trainer"))
+    if not is_lora_state(weights):
+        if trainer.lora.enabled:
+            raise ValueError(f"{ckpt} holds full weights, but the run's config has learner.trainer.lora.rank = {trainer.lora.rank}")
+        return None
+    if not trainer.lora.enabled:
+        raise ValueError(f"{ckpt} holds LoRA adapters, but the run's config has learner.trainer.lora.rank = 0")
+    num_layers = 1 + max(int(k.split(".layers.")[1].split(".")[0]) for k in weights if ".layers." in k)
+    return (base_weights(weights), adapter_tensors(weights), trainer.lora,
+            lora_layer_indices(num_layers, trainer.train_layers))
+
+
+def export(run: Path, out: Path, step: int | None = None, *, adapter: bool = False) -> Path:
+    """Write the HF folder for `run` at `out` (atomically: built beside it, renamed into place);
+    `adapter`: the peft adapter folder of a LoRA run instead (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -128,6 +163,15 @@ def export(run: Path, out: Path, step: int | None = None) -> Path:
     base = resolve_model(config.get("model_dir") or None)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     weights = {k.removeprefix("lm."): v for k, v in policy_weights(state).items()}
+    lora = _lora_split(config, weights, ckpt)
+    if adapter and lora is None:
+        raise ValueError(f"--adapter: {run} trained the weights, not LoRA adapters (learner.trainer.lora.rank = 0); "
+                         "export it without --adapter")
+    if lora is not None:
+        from agentrl.common.adapters import merge_adapter
+
+        weights, adapter_state, lora_config, lora_layers = lora
+        weights.update(merge_adapter(weights, adapter_state, lora_config.scaling))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
@@ -139,14 +183,19 @@ def export(run: Path, out: Path, step: int | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if adapter:
+            from agentrl.learner.lora import write_adapter_folder
+
+            write_adapter_folder(tmp, adapter_state, lora_config, lora_layers, str(base))
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         meta = tmp / "agentrl"
         meta.mkdir()
         (meta / PROMPT_FILE).write_text(json.dumps(prompt, indent=1))
         shutil.copy(run / "config.toml", meta / "config.toml")
         info = {"run": str(run.resolve()), "phase": phase, "checkpoint": ckpt.name, "step": int(state["step"]),
-                "base_model": str(base)}
+                "base_model": str(base), "contents": "adapter" if adapter else "merged" if lora is not None else "weights"}
         (meta / "export.json").write_text(json.dumps(info, indent=1))
         scores = {f"{e['label']} {e['score_metric']}": round(e['score'], 4) for e in read_jsonl(run / "evals.jsonl")}
         (tmp / "README.md").write_text(_readme(prompt, info, scores))
@@ -165,9 +214,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run", type=Path, help="the run directory of agentrl train")
     parser.add_argument("--out", type=Path, required=True, help="the folder to write (replaced if it exists)")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write the peft adapter folder (PeftModel.from_pretrained, vllm --lora-modules) "
+                             "instead of the merged model")
     args = parser.parse_args(argv)
     try:
-        path = export(args.run, args.out, args.step)
+        path = export(args.run, args.out, args.step, adapter=args.adapter)
     except (FileNotFoundError, ValueError) as err:
         print(f"agentrl export: {err}", file=sys.stderr)
         return 2

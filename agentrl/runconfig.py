@@ -420,3 +420,16 @@ def schema_text() -> str:
     """Every key of the run config with its type, default and description (for `--help`)."""
     return ("(defaults shown are the code's; the embedded default sets some differently: see --print-config)\n"
             + "\n".join(describe(TrainConfig)))
+
+
+def check_model_fit(config: TrainConfig) -> None:
+    """What the config asks of the model folder: LoRA's target modules and layers (ConfigError)."""
+    from agentrl.common.model import resolve_model
+    from agentrl.learner.lora import check_lora_targets
+
+    trainer = config.learner.trainer
+    if trainer.lora.enabled:
+        try:
+            check_lora_targets(resolve_model(config.model_dir or None), trainer.lora, trainer.train_layers, key="learner.trainer")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None

@@ -73,6 +73,7 @@ from agentrl.progress import Progress
 from agentrl.runconfig import (
     DEFAULT_CONFIG,
     TrainConfig,
+    check_model_fit,
     config_data,
     load_run_config,
     schema_text,
@@ -822,6 +823,11 @@ def main(argv: list[str]) -> int:
         print(dump_toml(config_data(resolved.config)), end="")
         return 0
     config = resolved.config
+    try:
+        check_model_fit(config)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"agentrl train: bad config:\n{err}", file=sys.stderr)
+        return 2
     fresh = not args.resume and not Path(args.out or "/nonexistent").exists()
     if args.resume:
         out = Path(args.resume)

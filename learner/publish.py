@@ -92,13 +92,17 @@ class WeightPublisher:
     """
 
     def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, kv_refresh_every: int = 1,
-                 probe_timeout_s: float = 5.0, probe_interval_s: float = 5.0, transport: str = "auto"):
+                 probe_timeout_s: float = 5.0, probe_interval_s: float = 5.0, transport: str = "auto",
+                 metadata: dict[str, str] | None = None):
         if kv_refresh_every < 1:
             raise ValueError(f"kv_refresh_every={kv_refresh_every} must be >= 1")
         self.server_urls = list(server_urls)
         self.push_timeout_s = push_timeout_s
         self.transport = transport
         """How each push reaches a server (agentrl.common.weights.TRANSPORTS)."""
+        self.metadata = metadata
+        """The header of every push file: what the payload is (None: full weights; an adapter's:
+        agentrl.common.adapters.adapter_metadata)."""
         self.kv_refresh_every = kv_refresh_every
         """Every this many pushes, the servers' KV and prefix caches are dropped (running requests
         recompute under the new weights); the pushes in between keep them (agentrl.common.weights, step 3)."""
@@ -146,7 +150,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         self._num_pushes += 1
         recompute_kv = self._num_pushes % self.kv_refresh_every == 0
-        path = await asyncio.to_thread(write_weights, snapshot)
+        path = await asyncio.to_thread(write_weights, snapshot, None, self.metadata)
         write_s = time.perf_counter() - t0
         self._set_latest(version, path)
         down = list(self.down)

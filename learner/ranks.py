@@ -50,6 +50,7 @@ from agentrl.learner.distributed import (
     shard_samples,
 )
 from agentrl.learner.ledger import Ledger
+from agentrl.learner.lora import adapter_tensors, apply_lora, snapshot_adapter
 from agentrl.learner.publish import snapshot_from_policy_state, snapshot_weights
 from agentrl.learner.trainer import StepStats, Trainer, compute_dtype, on_device, set_trainable
 
@@ -78,7 +79,10 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
     tcfg = config.trainer
     torch.manual_seed(config.seed)
     model = load()
-    set_trainable(model, tcfg.train_layers, tcfg.train_embeddings)
+    if tcfg.lora.enabled:  # adapters train, every weight is frozen (learner/lora.py)
+        apply_lora(model, tcfg.lora, tcfg.train_layers)
+    else:
+        set_trainable(model, tcfg.train_layers, tcfg.train_embeddings)
     value_head = tcfg.advantage.estimator == "gae" and config.mode == "rl"
     policy = PackedPolicy(model, value_head=value_head, kernels=tcfg.kernels, compute_dtype=compute_dtype(tcfg, device.type))
     # Onto the device before sharding (FSDP shards what is on the mesh's device) and before the
@@ -88,7 +92,10 @@ def build_trainer(config: LearnerConfig, device: torch.device, *, shard: bool) -
         shard_policy(policy, device)
     reference = None
     if config.kl_reference:
-        reference = PackedPolicy(load().requires_grad_(False).eval(), kernels=tcfg.kernels,
+        frozen = load()
+        if tcfg.lora.enabled:  # the same modules as the policy, so that an SFT checkpoint's state loads
+            apply_lora(frozen, tcfg.lora, tcfg.train_layers)
+        reference = PackedPolicy(frozen.requires_grad_(False).eval(), kernels=tcfg.kernels,
                                  compute_dtype=compute_dtype(tcfg, device.type))
         if config.init_checkpoint:
             # The KL anchor is the policy RL starts from (the SFT checkpoint), not the base model;
@@ -182,8 +189,12 @@ class Solo:
     @on_device
     def snapshot(self) -> dict[str, torch.Tensor] | None:
         """The weights to publish (checkpoint names, in the dtype the learner computes in: bf16
-        where the hardware runs it natively, else float32, which the server then serves)."""
-        return snapshot_weights(self.model, dtype=self.trainer.policy.compute_dtype)
+        where the hardware runs it natively, else float32, which the server then serves); with
+        LoRA, the adapter only (learner/lora.py)."""
+        dtype = self.trainer.policy.compute_dtype
+        if self.config.trainer.lora.enabled:
+            return snapshot_adapter(self.model, dtype)
+        return snapshot_weights(self.model, dtype=dtype)
 
     def checkpoint_state(self) -> dict[str, Any] | None:
         """Model, optimizer and RNG state for a checkpoint (None on ranks that do not write it)."""
@@ -308,6 +319,8 @@ def gather_snapshot(node: Solo, group: RankGroup | None = None) -> dict[str, tor
     policy_state, _ = full_state(node.trainer.policy)
     if not group.is_leader:
         return None
+    if node.config.trainer.lora.enabled:
+        return adapter_tensors(policy_state, prefix="lm.", dtype=node.trainer.policy.compute_dtype)
     return snapshot_from_policy_state(policy_state, tied=bool(getattr(node.model.config, "tie_word_embeddings", False)),
                                       dtype=node.trainer.policy.compute_dtype)
 

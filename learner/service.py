@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.common.adapters import adapter_metadata
 from agentrl.common.config import ConfigError, build, read_toml
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import GroupReceiver, VersionPublisher
@@ -92,6 +93,20 @@ def check_runnable(config: LearnerConfig, where: str = "learner config") -> None
     if config.publish.every and not config.server_urls:
         raise ConfigError(f"{where}: publish.every > 0 needs server_urls (the vLLM servers to push to); "
                           "or set publish.every = 0")
+    check_lora(config, where)
+
+
+def check_lora(config: LearnerConfig, where: str = "learner config", key: str = "trainer") -> None:
+    """LoRA's targets against the model folder's layers (read from its safetensors headers, no torch)."""
+    if not config.trainer.lora.enabled:
+        return
+    from agentrl.common.model import resolve_model
+    from agentrl.learner.lora import check_lora_targets
+
+    try:
+        check_lora_targets(resolve_model(config.model_dir or None), config.trainer.lora, config.trainer.train_layers, key=key)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
 CARRIED_COUNTS = ("groups/dropped_equal_rewards", "groups/dropped_too_small", "samples/failed",
@@ -278,7 +293,9 @@ class Learner:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         intake = self.start_training()
-        self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.publish.kv_refresh_every, transport=cfg.publish.transport)
+        lora = cfg.trainer.lora
+        self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.publish.kv_refresh_every, transport=cfg.publish.transport,
+                                          metadata=adapter_metadata(lora.scaling) if lora.enabled else None)
                           if cfg.publish.every else None)
         self.version_pub = VersionPublisher(cfg.transport.version_endpoint, curve=cfg.transport.curve_keys()) if cfg.transport.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,

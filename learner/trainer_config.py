@@ -16,6 +16,48 @@ Kernels = Literal["fused", "reference"]
 
 Precision = Literal["auto", "fp32", "bf16"]
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The default LoRA targets: every linear layer of a Llama-style decoder layer (attention and MLP)."""
+
+
+@config_dataclass
+class LoraConfig:
+    """LoRA adapters trained with `peft` instead of the weights themselves (`rank` > 0 turns it on).
+
+    The adapters go on `target_modules` of the layers `TrainerConfig.train_layers` names (all, or
+    the top k); every weight of the model stays frozen, the embedding and the (tied) LM head
+    included, which the fused log-prob kernel reads as it does today. A push sends the adapter only
+    (learner/lora.py); the server adds it to the weights it serves (agentrl.common.vllm_ext)."""
+
+    rank: int = 0
+    """The adapters' rank r; 0: no LoRA (the weights train)."""
+    alpha: float = 32.0
+    """Scaling numerator: an adapter adds (alpha / rank) x B @ A to its layer's weight."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (peft's lora_dropout); keep 0 for RL, where the
+    recomputed log-probs must be those of the policy that sampled."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names (the last part of a linear layer's name) that get an adapter."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank} must be >= 0 (0 turns LoRA off)")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha} must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout={self.dropout} must lie in [0, 1)")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the linear layers that get adapters, e.g. "
+                             f"{list(LORA_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
 
 @config_dataclass
 class OptimizerConfig:
@@ -56,9 +98,12 @@ class TrainerConfig:
     temperature: float = 1.0
     """Sampling temperature the behaviour log-probs were computed at (logits are divided by it)."""
     train_layers: int | Literal["all"] = "all"
-    """"all", or k: only the top k decoder layers and the final norm train."""
+    """"all", or k: only the top k decoder layers and the final norm train (with LoRA: only they get
+    adapters, and nothing else trains)."""
     train_embeddings: bool = True
-    """Whether the (tied) embedding / LM head matrix trains."""
+    """Whether the (tied) embedding / LM head matrix trains (must be false with LoRA)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """`[learner.trainer.lora]`: train LoRA adapters instead of the weights (LoraConfig)."""
     vf_coef: float = 0.5
     """Weight of the value loss (gae only)."""
     share_prefix: bool = True
@@ -70,6 +115,13 @@ class TrainerConfig:
             raise ValueError(f"max_row_tokens={self.max_row_tokens} must be > 0")
         if self.train_layers != "all" and not (isinstance(self.train_layers, int) and self.train_layers >= 0):
             raise ValueError(f"train_layers={self.train_layers!r}: use 'all' or an int k >= 0")
+        if self.lora.enabled:
+            if self.train_embeddings:
+                raise ValueError("lora.rank > 0 trains adapters only, and the embedding / LM head stays frozen: set "
+                                 "learner.trainer.train_embeddings = false (or lora.rank = 0 to train the weights)")
+            if self.train_layers == 0:
+                raise ValueError("lora.rank > 0 with train_layers = 0 puts no adapter anywhere: train_layers names the "
+                                 "layers that get adapters ('all' or the top k > 0)")
 
     def compute_dtype_name(self, device_type: str = "cpu") -> str:
         """The autocast dtype on a device type, "bfloat16" or "float32" ("auto": agentrl.common.hardware)."""

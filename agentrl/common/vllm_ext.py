@@ -17,6 +17,12 @@ file, an unknown name or a wrong shape is refused and the served weights stay un
 may carry a subset of the tensors (e.g. only the layers a run trains); the rest come from the
 record, so the model always receives a complete, consistent set.
 
+LoRA adapters: a push whose file says it is an adapter (agentrl.common.adapters) is merged into
+the record's weights at stage time (weight + scaling x B @ A, in float32, stored in the served
+dtype) and applied like a full push, but the record keeps the unmerged weights, so every adapter
+push is added to the same base. The server therefore decodes at full speed with no LoRA kernels,
+and the push carries only the adapter's bytes.
+
 Dtypes: the record and every staged tensor are kept in the served dtype (the server's `--dtype`),
 so the reload hands the model tensors of its own dtype. Handing it the float32 tensors of the model
 folder made vLLM log "Attempted to load weight ... float32 into bfloat16" for every tensor of every
@@ -46,6 +52,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from agentrl.common.adapters import adapter_scaling, merge_adapter
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 LOAD_LOGGER = "vllm.model_executor.models.utils"
@@ -83,6 +91,13 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(path, device="cpu")
 
 
+def _read_metadata(path: str) -> dict[str, str] | None:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return f.metadata()
+
+
 def _checkpoint_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -108,6 +123,9 @@ class WeightSwapExtension:
         return self._agentrl_record
 
     _agentrl_staged: dict[str, torch.Tensor] | None = None
+    _agentrl_staged_is_delta = False
+    """The staged tensors are an adapter merged into the record: applied on top of it, not kept in
+    it, so that every adapter push is added to the same base weights."""
 
     def agentrl_stage_weights(self, path: str) -> dict:
         """Read and validate a push without touching the served model (runs while serving)."""
@@ -116,12 +134,17 @@ class WeightSwapExtension:
         record = self._agentrl_load_record()
         try:
             update = _read_safetensors(path)
+            scaling = adapter_scaling(_read_metadata(path))
+        except ValueError as err:
+            return {"ok": False, "error": f"refused {path}: {err}"}
         except FileNotFoundError:
             return {"ok": False, "error": f"weights file not found: {path}"}
         except Exception as err:  # noqa: BLE001 - any parse failure means a refused push, reported to the caller
             return {"ok": False, "error": f"cannot read weights file {path}: {type(err).__name__}: {err}"}
         if not update:
             return {"ok": False, "error": f"weights file {path} holds no tensors"}
+        if scaling is not None:
+            return self._agentrl_stage_adapter(path, update, scaling, start)
         problems = []
         for name, tensor in update.items():
             ref = record.get(name)
@@ -137,7 +160,22 @@ class WeightSwapExtension:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             return {"ok": False, "error": f"refused {path}: {shown}"}
         self._agentrl_staged = {name: t.to(record[name].dtype) for name, t in update.items()}
+        self._agentrl_staged_is_delta = False
         return {"ok": True, "num_tensors": len(update), "stage_s": time.perf_counter() - start}
+
+    def _agentrl_stage_adapter(self, path: str, adapter: dict[str, torch.Tensor], scaling: float, start: float) -> dict:
+        """Stage a LoRA adapter (agentrl.common.adapters): the weights it covers, merged into the
+        record's, which the next apply serves and the record keeps unmerged."""
+        bad = [name for name, t in adapter.items() if not t.is_floating_point() or not bool(torch.isfinite(t).all())]
+        if bad:
+            return {"ok": False, "error": f"refused {path}: not finite floating point: {bad[:5]}"}
+        try:
+            merged = merge_adapter(self._agentrl_load_record(), adapter, scaling)
+        except ValueError as err:
+            return {"ok": False, "error": f"refused {path}: {err}"}
+        self._agentrl_staged = merged
+        self._agentrl_staged_is_delta = True
+        return {"ok": True, "num_tensors": len(adapter), "stage_s": time.perf_counter() - start}
 
     def agentrl_apply_staged(self) -> dict:
         """Reload the model from the record merged with the staged push. Call while paused."""
@@ -145,9 +183,13 @@ class WeightSwapExtension:
             return {"ok": False, "error": "no validated push is staged"}
         start = time.perf_counter()
         record = self._agentrl_load_record()
-        record.update(self._agentrl_staged)
+        if self._agentrl_staged_is_delta:
+            weights = {**record, **self._agentrl_staged}
+        else:
+            record.update(self._agentrl_staged)
+            weights = record
         self._agentrl_staged = None
-        self.reload_weights(weights_iterator=iter(record.items()))
+        self.reload_weights(weights_iterator=iter(weights.items()))
         self._agentrl_retie()
         return {"ok": True, "reload_s": time.perf_counter() - start}
 

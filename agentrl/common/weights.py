@@ -156,16 +156,17 @@ def own_weights_dir() -> Path:
     return path
 
 
-def write_weights(state_dict: Mapping, directory: str | None = None) -> Path:
+def write_weights(state_dict: Mapping, directory: str | None = None, metadata: dict[str, str] | None = None) -> Path:
     """Write a state dict (name -> tensor, checkpoint names) as safetensors; returns the path. The
-    file goes to `directory`, or by default to this process's own weights directory."""
+    file goes to `directory`, or by default to this process's own weights directory; `metadata`
+    goes into its header (an adapter push's: agentrl.common.adapters)."""
     from safetensors.torch import save_file
 
     directory = directory or str(own_weights_dir())
     fd, path = tempfile.mkstemp(prefix="v-", suffix=".safetensors", dir=directory)
     os.close(fd)
     tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    save_file(tensors, path)
+    save_file(tensors, path, metadata=metadata)
     return Path(path)
 
 
@@ -242,17 +243,19 @@ async def push_weights(
     timeout_s: float = 300.0,
     recompute_kv: bool = True,
     transport: str = "auto",
+    metadata: dict[str, str] | None = None,
 ) -> PushResult:
     """Hot-swap `weights` (a safetensors path, or a state dict with checkpoint names) into the
     server at `base_url` and label them `version`; `recompute_kv`: module docstring, step 3;
-    `transport`: how the file reaches the server (TRANSPORTS)."""
+    `transport`: how the file reaches the server (TRANSPORTS); `metadata`: the header of the file
+    written for a state dict (an adapter's: agentrl.common.adapters.adapter_metadata)."""
     how = transport_for(base_url, transport)
     base_url = base_url.rstrip("/")
     write_s = 0.0
     owned_file = None
     if isinstance(weights, Mapping):
         t0 = time.perf_counter()
-        owned_file = write_weights(weights)
+        owned_file = write_weights(weights, metadata=metadata)
         write_s = time.perf_counter() - t0
         path = owned_file
     else:
