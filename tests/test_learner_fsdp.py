@@ -1,5 +1,6 @@
 """FSDP2 under torchrun: two CPU processes (gloo) take the same optimizer step as one process,
-on an even batch and on one where a rank must run a padding micro-batch."""
+on an even batch, on one where a rank must run a padding micro-batch, and with LoRA adapters
+training (every weight frozen) on the even batch."""
 
 import json
 import os
@@ -58,3 +59,12 @@ def test_fsdp2_two_processes_match_one_process(tmp_path):
         # The weights the service publishes: gathered from the shards, named and cast as in one process.
         assert sharded["snapshot_keys"] == one["snapshot_keys"] and "lm_head.weight" not in one["snapshot_keys"]
         assert sharded["snapshot_checksum"] == pytest.approx(one["snapshot_checksum"], rel=1e-6), batch
+    lora_sharded, lora_one = results["lora-groups"], run_check_step(rank=0, world=1, batch="groups", lora=True)
+    assert lora_sharded["loss"] == pytest.approx(lora_one["loss"], rel=1e-5, abs=1e-7)
+    assert lora_sharded["grad_norm"] == pytest.approx(lora_one["grad_norm"], rel=1e-4)
+    assert lora_sharded["param_checksum"] == pytest.approx(lora_one["param_checksum"], rel=1e-6)
+    # A LoRA push is the adapter: peft's file names, gathered from the shards as in one process.
+    assert lora_sharded["snapshot_keys"] == lora_one["snapshot_keys"]
+    assert lora_one["snapshot_keys"] and all(".lora_" in k for k in lora_one["snapshot_keys"])
+    assert lora_sharded["snapshot_checksum"] == pytest.approx(lora_one["snapshot_checksum"], rel=1e-6)
+    assert lora_one["param_checksum"] != pytest.approx(results["groups"]["param_checksum"], rel=1e-3)

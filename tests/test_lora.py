@@ -6,11 +6,10 @@ refused with the key and the fix."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
+from support.inflight import push_with_requests_in_flight
 from support.synthetic import make_group
 
 from agentrl.common.adapters import adapter_metadata, adapter_scaling, merge_adapter
@@ -245,21 +244,8 @@ async def test_an_adapter_push_lands_with_requests_in_flight_and_serves_base_plu
                 await push_weights(url, path, version0 + 1)
         assert await greedy(client) == before and await client.weight_version() == version0
 
-        pushed = asyncio.Event()
-
-        async def keep_generating(seed: int) -> list:
-            done = []
-            while not pushed.is_set():
-                done.append(await client.generate(ids, SamplingParams(max_tokens=64, temperature=1.0, seed=seed, ignore_eos=True)))
-                seed += 32
-            return done
-
         try:
-            streams = [asyncio.create_task(keep_generating(i)) for i in range(32)]
-            await asyncio.sleep(0.5)
-            result = await push_weights(url, adapter, version0 + 1, metadata=meta)
-            pushed.set()
-            done = [g for stream in await asyncio.gather(*streams) for g in stream]
+            result, done = await push_with_requests_in_flight(client, ids, push_weights(url, adapter, version0 + 1, metadata=meta))
             assert all(len(g.token_ids) == 64 for g in done)
             assert any(g.versions[0] == version0 and g.versions[-1] == version0 + 1 for g in done)
             data_bytes = sum(t.numel() * t.element_size() for t in adapter.values())

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.inflight import push_with_requests_in_flight
 
 from agentrl.common.inference import SamplingParams, VLLMClient
 from agentrl.common.weights import WeightPushError, push_weights, write_weights
@@ -86,24 +87,10 @@ async def test_pushes_reach_a_server_that_cannot_read_this_hosts_files_only_by_s
         assert await client.health()
         assert await _greedy(client, ids) == before and await client.weight_version() == version0
 
-        # stream, with 32 requests kept in flight until the push returns (each one that finishes is
-        # replaced, so the swap lands inside some of them whatever this machine's speed): none lost,
-        # some span the swap, and the served model is the pushed one.
-        pushed = asyncio.Event()
-
-        async def keep_generating(seed: int) -> list:
-            done = []
-            while not pushed.is_set():
-                done.append(await client.generate(ids, SamplingParams(max_tokens=96, temperature=1.0, seed=seed,
-                                                                      ignore_eos=True)))
-                seed += 32
-            return done
-
-        streams = [asyncio.create_task(keep_generating(i)) for i in range(32)]
-        await asyncio.sleep(0.5)
-        result = await push_weights(url, update, version0 + 1, transport="stream")
-        pushed.set()
-        done = [g for stream in await asyncio.gather(*streams) for g in stream]
+        # stream, with 32 requests kept in flight until the push returns: none lost, some span the
+        # swap, and the served model is the pushed one.
+        result, done = await push_with_requests_in_flight(
+            client, ids, push_weights(url, update, version0 + 1, transport="stream"), max_tokens=96)
         assert result.transport == "stream" and result.bytes > 0
         assert all(len(g.token_ids) == 96 for g in done)
         assert any(g.versions[0] == version0 and g.versions[-1] == version0 + 1 for g in done)

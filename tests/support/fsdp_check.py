@@ -28,6 +28,7 @@ from agentrl.learner.distributed import (  # noqa: E402
     shard_policy,
     shard_samples,
 )
+from agentrl.learner.trainer_config import LoraConfig  # noqa: E402
 
 CHECK_BATCHES = ("groups", "uneven")
 """The check batches: "groups" = 2 GRPO groups of 4 short sequences (each rank gets 4, rows split
@@ -55,17 +56,32 @@ def _check_batch(vocab_size: int, kind: str) -> list[Sample]:
             for t, a in zip(g.trajectories, ga, strict=True)]
 
 
-def run_check_step(rank: int, world: int, batch: str = "groups") -> dict:
-    """One optimizer step on a fixed check batch; identical results expected for any world size."""
+CHECK_LORA = LoraConfig(rank=4, alpha=8.0)
+"""The LoRA check ("lora-groups"): peft adapters on both layers, every weight frozen."""
+
+
+def run_check_step(rank: int, world: int, batch: str = "groups", *, lora: bool = False) -> dict:
+    """One optimizer step on a fixed check batch; identical results expected for any world size.
+    `lora`: the adapters train (learner/lora.py), their B initialised non-zero so A gets a gradient too."""
+    from agentrl.learner.lora import apply_lora
     from agentrl.learner.trainer import Trainer
     from agentrl.learner.trainer_config import OptimizerConfig, TrainerConfig
     from support.synthetic import tiny_llama
 
     vocab = 128
-    policy = PackedPolicy(tiny_llama(vocab, seed=0), kernels="fused")
+    model = tiny_llama(vocab, seed=0)
+    if lora:
+        torch.manual_seed(0)
+        apply_lora(model, CHECK_LORA, "all")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    policy = PackedPolicy(model, kernels="fused")
     if world > 1:
         shard_policy(policy, torch.device("cpu"))  # a CPU check on any host (torch's default mesh is CUDA where CUDA exists)
-    config = TrainerConfig(precision="fp32", max_row_tokens=64, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0))
+    config = TrainerConfig(precision="fp32", max_row_tokens=64, optimizer=OptimizerConfig(lr=1e-2, grad_clip=0.0),
+                           lora=CHECK_LORA if lora else LoraConfig(), train_embeddings=not lora)
     trainer = Trainer(policy, config)
     samples = _check_batch(vocab, batch)
     if world > 1:
@@ -78,13 +94,15 @@ def run_check_step(rank: int, world: int, batch: str = "groups") -> dict:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         checksum += float(full.detach().double().abs().sum()) * (1 + len(name) % 7)
     # What the service would publish: the gathered full state, renamed, against the unsharded snapshot.
+    from agentrl.learner.lora import adapter_tensors, snapshot_adapter
     from agentrl.learner.publish import snapshot_from_policy_state, snapshot_weights
 
     if world > 1:
         policy_state, _ = full_state(policy)  # collective: every rank gathers, rank 0 keeps the tensors
-        snapshot = snapshot_from_policy_state(policy_state, tied=True)
+        snapshot = (adapter_tensors(policy_state, prefix="lm.", dtype=torch.float32) if lora
+                    else snapshot_from_policy_state(policy_state, tied=True))
     else:
-        snapshot = snapshot_weights(policy.lm)
+        snapshot = snapshot_adapter(policy.lm, torch.float32) if lora else snapshot_weights(policy.lm)
     snapshot_checksum = sum(float(t.double().abs().sum()) * (1 + len(k) % 7) for k, t in snapshot.items())
     num_padding = torch.tensor([sum(1 for mb in mbs if not mb.samples)])
     if world > 1:
@@ -102,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     completed = False
     try:
         result = {batch: run_check_step(rank, world, batch) for batch in CHECK_BATCHES}
+        result["lora-groups"] = run_check_step(rank, world, "groups", lora=True)
         if rank == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f)
