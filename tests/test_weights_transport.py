@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -38,6 +40,11 @@ def private_server(model_dir, tmp_path_factory):
 
     if not _namespaces_work():
         pytest.skip("this machine does not let the tests create a mount namespace (unshare --mount needs CAP_SYS_ADMIN)")
+    hidden = [p for p in (Path(sys.executable).absolute(), Path(sys.prefix), Path(model_dir).absolute())
+              if any(q.is_relative_to(root) for q in (p, p.resolve()) for root in ("/tmp", "/dev/shm"))]
+    if hidden:
+        pytest.skip(f"{hidden[0]} lies under /tmp or /dev/shm, which the server's private mounts hide from it (a checkout there "
+                    "cannot run this test)")
     server = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.15),
                         log_path=tmp_path_factory.mktemp("vllm-private") / "server.log", launcher=PRIVATE_FILES)
     server.start(timeout_s=400)
