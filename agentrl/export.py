@@ -123,7 +123,7 @@ in a `tool` turn as `<tool_response>...</tool_response>`; the final answer is `<
 """
 
 
-def _lora_split(config: dict, weights: dict, ckpt: Path):
+def _lora_split(config: dict, weights: dict, ckpt: Path, num_layers: int):
     """(base weights, adapter, LoraConfig, adapter layers) of a LoRA checkpoint's weights, or None
     for full weights; ValueError when the checkpoint and the run's config disagree."""
     from agentrl.common.config import build
@@ -137,7 +137,6 @@ def _lora_split(config: dict, weights: dict, ckpt: Path):
         return None
     if not trainer.lora.enabled:
         raise ValueError(f"{ckpt} holds LoRA adapters, but the run's config has learner.trainer.lora.rank = 0")
-    num_layers = 1 + max(int(k.split(".layers.")[1].split(".")[0]) for k in weights if ".layers." in k)
     return (base_weights(weights), adapter_tensors(weights), trainer.lora,
             lora_layer_indices(num_layers, trainer.train_layers))
 
@@ -163,7 +162,7 @@ def export(run: Path, out: Path, step: int | None = None, *, adapter: bool = Fal
     base = resolve_model(config.get("model_dir") or None)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     weights = {k.removeprefix("lm."): v for k, v in policy_weights(state).items()}
-    lora = _lora_split(config, weights, ckpt)
+    lora = _lora_split(config, weights, ckpt, model.config.num_hidden_layers)
     if adapter and lora is None:
         raise ValueError(f"--adapter: {run} trained the weights, not LoRA adapters (learner.trainer.lora.rank = 0); "
                          "export it without --adapter")

@@ -24,9 +24,7 @@ the model lacks is refused before any process starts.
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -122,10 +120,11 @@ def write_adapter_folder(folder: Path, adapter: dict[str, torch.Tensor], lora: L
 
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    """Tensor shapes from a safetensors file's header (numpy framework: no torch, no tensor read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return {k: f.get_slice(k).get_shape() for k in f.keys()}
 
 
 def model_layer_modules(model_dir: str | Path) -> tuple[set[str], int]:

@@ -91,11 +91,12 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return load_file(path, device="cpu")
 
 
-def _read_metadata(path: str) -> dict[str, str] | None:
+def _read_push(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str] | None]:
+    """A push file's tensors and header metadata, in one read."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as f:
-        return f.metadata()
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
 def _checkpoint_files(model_dir: Path) -> list[Path]:
@@ -133,8 +134,8 @@ class WeightSwapExtension:
         self._agentrl_staged = None
         record = self._agentrl_load_record()
         try:
-            update = _read_safetensors(path)
-            scaling = adapter_scaling(_read_metadata(path))
+            update, metadata = _read_push(path)
+            scaling = adapter_scaling(metadata)
         except ValueError as err:
             return {"ok": False, "error": f"refused {path}: {err}"}
         except FileNotFoundError:
