@@ -345,6 +345,18 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         problems.append(f"{at('env', 'max_total_tokens')}: {config.env.max_total_tokens} is longer than the "
                         f"server's services.vllm_server.max_model_len = {config.services.vllm_server.max_model_len}; "
                         "lower it or raise max_model_len")
+    serving, lora = config.services.vllm_server, config.learner.trainer.lora
+    if serving.lora == "vllm" and not lora.enabled:
+        problems.append(f"{at('services', 'vllm_server', 'lora')} = \"vllm\" serves the policy as a LoRA adapter, and "
+                        "LoRA is off: turn it on (learner.trainer.lora.rank > 0) or leave it \"merge\"")
+    elif serving.lora == "vllm":
+        from agentrl.common.adapters import VLLM_MAX_LORA_RANKS
+
+        largest = serving.max_lora_rank or VLLM_MAX_LORA_RANKS[-1]
+        if lora.rank > largest:
+            problems.append(f"{at('learner', 'trainer', 'lora', 'rank')} = {lora.rank} is above the server's max LoRA rank "
+                            f"{largest} ({at('services', 'vllm_server', 'max_lora_rank')}): it would refuse every push; "
+                            f"lower the rank, or raise max_lora_rank to one of {[r for r in VLLM_MAX_LORA_RANKS if r >= lora.rank]}")
     if config.learner.trainer.max_row_tokens < config.env.max_total_tokens:
         problems.append(f"{at('learner', 'trainer', 'max_row_tokens')}: {config.learner.trainer.max_row_tokens} cannot "
                         f"hold the longest episode (env.max_total_tokens = {config.env.max_total_tokens}); raise it")

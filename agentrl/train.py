@@ -212,7 +212,24 @@ class Supervisor:
         self.services = await start_services(cfg.services, tools=cfg.tools, env_required=env_class(cfg.env).required_tools,
                                              model_dir=self.model_dir, corpus=self.taskset.corpus, logs=self.out / "logs",
                                              say=self.say, host=self.launcher.host, control_token=self.control_token,
-                                             tool_keys=self.credentials.tools(), launcher=self.launcher)
+                                             tool_keys=self.credentials.tools(), launcher=self.launcher,
+                                             served_adapter=self._served_adapter())
+
+    def _served_adapter(self) -> Path | None:
+        """With vLLM's own LoRA path (`services.vllm_server.lora = "vllm"`): the adapter the server
+        starts with, all zeros (the base model's outputs until the first push), written once into
+        RUN_DIR/adapters/initial; None otherwise."""
+        cfg = self.config
+        if cfg.services.vllm_server.lora != "vllm":
+            return None
+        from agentrl.common.adapters import identity_adapter, peft_adapter_config, write_peft_folder
+        from agentrl.learner.lora import lora_layer_indices, model_layer_modules
+
+        lora, folder = cfg.learner.trainer.lora, self.out / "adapters" / "initial"
+        layers = lora_layer_indices(model_layer_modules(self.model_dir)[1], cfg.learner.trainer.train_layers)
+        tensors = identity_adapter(Path(self.model_dir), lora.rank, list(lora.target_modules), layers)
+        return write_peft_folder(folder, tensors, peft_adapter_config(lora.rank, lora.alpha, list(lora.target_modules),
+                                                                      layers, self.model_dir))
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -260,6 +277,7 @@ class Supervisor:
         cfg = self.config
         actor_cfg = {
             "vllm": self.services.vllm_urls,
+            "vllm_model": self.services.vllm_model,
             "remote_tools": to_dict(self.services.remote),
             "local_tools": to_dict(self.services.local),
             "model_dir": self.model_dir,
@@ -325,7 +343,7 @@ class Supervisor:
         self.setup_s = time.monotonic() - t0
         self.deadline = time.monotonic() + cfg.minutes * 60
         async with Connections(self.services.vllm_urls, self.services.remote, self.model_dir, cfg.env,
-                               self.services.local) as conn, contextlib.AsyncExitStack() as stack:
+                               self.services.local, model=self.services.vllm_model or None) as conn, contextlib.AsyncExitStack() as stack:
             self.conn = conn
             if cfg.agent.enabled:  # held-out evaluations run the agent program, greedy, through a gateway of this process
                 from agentrl.gateway.agents import agent_episodes

@@ -48,6 +48,9 @@ from agentrl.engine.tasksets import TasksConfig, load_taskset
 class ActorConfig:
     vllm: list[str]
     """Base URLs of the vLLM servers."""
+    vllm_model: str = ""
+    """The `model` every request names: the policy adapter's when the servers serve it with vLLM's
+    LoRA path (agentrl.common.adapters.POLICY_ADAPTER); empty: the servers' base model."""
     remote_tools: list[RemoteService] = field(default_factory=list)
     """The tool services to connect to."""
     local_tools: list[ToolSource] = field(default_factory=list)
@@ -108,7 +111,8 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     taskset = load_taskset(cfg.tasks, out / "tasks")
-    async with Connections(cfg.vllm, cfg.remote_tools, cfg.model_dir, cfg.env, cfg.local_tools) as conn, \
+    async with Connections(cfg.vllm, cfg.remote_tools, cfg.model_dir, cfg.env, cfg.local_tools,
+                           model=cfg.vllm_model or None) as conn, \
             contextlib.AsyncExitStack() as stack:
         # The learner's queue is part of the staleness budget: every group waiting there is trained
         # at a later version than the one that sampled it. Bounding the unacknowledged groups to

@@ -39,10 +39,12 @@ class _Server:
 
 class ServerPool:
     def __init__(self, base_urls: list[str], *, max_attempts: int = 3, probe_interval_s: float = 5.0,
-                 request_timeout_s: float = 600.0, max_connections: int = 8192, no_server_wait_s: float = 0.0):
+                 request_timeout_s: float = 600.0, max_connections: int = 8192, no_server_wait_s: float = 0.0,
+                 model: str | None = None):
         if not base_urls:
             raise ValueError("ServerPool needs at least one server base URL")
-        self.servers = [_Server(VLLMClient(u, max_connections=max_connections, request_timeout_s=request_timeout_s)) for u in base_urls]
+        self.servers = [_Server(VLLMClient(u, max_connections=max_connections, request_timeout_s=request_timeout_s,
+                                             model=model)) for u in base_urls]
         self.max_attempts = max_attempts
         self.probe_interval_s = probe_interval_s
         self.no_server_wait_s = no_server_wait_s

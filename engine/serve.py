@@ -5,7 +5,10 @@ The server runs `python -m vllm.entrypoints.openai.api_server` in its own proces
   /weight_info (the hot-swap path, see `agentrl.common.weights`);
 - `--worker-extension-cls agentrl.common.vllm_ext.WeightSwapExtension`: validated layer-wise reload;
 - `--enable-scale-out`: the token-in/token-out endpoint `/inference/v1/generate`, whose answers
-  carry weight-version spans.
+  carry weight-version spans;
+- with `lora_adapter`: vLLM's own LoRA path serving the policy as that adapter, reloadable at run
+  time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`; the reload path is a control endpoint,
+  agentrl.common.control_auth).
 
 On the CPU build the server also runs with `TORCH_COMPILE_DISABLE=1` (see `VLLMServer.environment`).
 
@@ -96,6 +99,12 @@ class VLLMServerConfig:
     seed: int = 0
     enforce_eager: bool | None = None
     """None: eager on CPU (no compile warm-up), graphs on CUDA."""
+    lora_adapter: str | None = None
+    """A peft adapter folder: serve the policy as this LoRA adapter with vLLM's own LoRA path
+    (`--enable-lora --max-loras 1 --lora-modules policy=FOLDER`, runtime reloading on), named
+    agentrl.common.adapters.POLICY_ADAPTER; pushes then reload it in place. None: no LoRA."""
+    max_lora_rank: int = 16
+    """With `lora_adapter`: the server's --max-lora-rank (the largest adapter rank a push may carry)."""
     extra_args: list[str] = field(default_factory=list)
     """Passed through to vLLM's server unchanged."""
 
@@ -152,6 +161,11 @@ class VLLMServer:
             cmd += ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
         if self.eager:
             cmd.append("--enforce-eager")
+        if cfg.lora_adapter is not None:
+            from agentrl.common.adapters import POLICY_ADAPTER
+
+            cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(cfg.max_lora_rank),
+                    "--lora-modules", f"{POLICY_ADAPTER}={cfg.lora_adapter}"]
         if cpu:
             # vLLM 0.32's CPU worker crashes the engine ("CPU Generator does not use offset") when a
             # request with its own seed is cut by a partial (chunked) prefill, which a hot swap's
@@ -172,6 +186,8 @@ class VLLMServer:
         and decoding is as fast: 69.7 against 69.5 tokens/s (median, 32 requests x 64 tokens,
         side by side in one run). It also drops the need for a C++ compiler on the serving host."""
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        if self.config.lora_adapter is not None:  # /v1/load_lora_adapter: the in-place reload of a push
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.control_token:
             env[CONTROL_TOKEN_ENV] = self.control_token
         if vllm_is_cpu_build() and self.eager:
@@ -244,12 +260,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: 2.5 on CPU)")
     parser.add_argument("--log", default=None, help="server log file (default: a temp file, printed)")
+    parser.add_argument("--lora-adapter", default=None,
+                        help="serve the policy as this peft LoRA adapter folder (vLLM's LoRA path; requests name it "
+                             "'policy'; pushes reload it in place)")
+    parser.add_argument("--max-lora-rank", type=int, default=None,
+                        help="with --lora-adapter: the largest rank a push may carry (default: the smallest of vLLM's "
+                             "allowed values that holds the adapter's rank)")
     args, extra = parser.parse_known_args(argv)
     try:
+        lora = {}
+        if args.lora_adapter is not None:
+            from agentrl.common.adapters import VLLM_MAX_LORA_RANKS, adapter_folder_rank, vllm_max_lora_rank
+
+            rank = adapter_folder_rank(Path(args.lora_adapter))
+            max_rank = args.max_lora_rank or vllm_max_lora_rank(rank)
+            if max_rank not in VLLM_MAX_LORA_RANKS or max_rank < rank:
+                raise ValueError(f"--max-lora-rank {max_rank}: must be one of {list(VLLM_MAX_LORA_RANKS)} and at least "
+                                 f"the adapter's rank {rank}")
+            lora = {"lora_adapter": str(Path(args.lora_adapter).resolve()), "max_lora_rank": max_rank}
         server = VLLMServer(
             VLLMServerConfig(model_dir=args.model, host=args.host, port=args.port, dtype=args.dtype,
                              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_gib=args.kv_cache_gib,
-                             max_model_len=args.max_model_len, extra_args=extra),
+                             max_model_len=args.max_model_len, extra_args=extra, **lora),
             log_path=args.log,
         )
     except ValueError as err:

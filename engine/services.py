@@ -45,6 +45,17 @@ Builtin = Literal["search", "python", "calculator"]
 class ServingConfig:
     """How a vLLM server the run starts serves (engine/serve.py, VLLMServerConfig)."""
 
+    lora: Literal["merge", "vllm"] = "merge"
+    """With LoRA on (learner.trainer.lora.rank > 0), how the server serves the adapter. "merge": each
+    adapter push is merged into the base weights the server holds and the model reloaded, so it
+    decodes at full speed (agentrl.common.vllm_ext). "vllm": vLLM's own LoRA path (`--enable-lora`),
+    every request naming the adapter and every push reloading it in place; the path for GPUs, where
+    its kernels make LoRA cheap. On CPU it decoded 47.9 tokens/s against 188.3 for the base model
+    (32 requests x 64 tokens, AVX-512 BF16, benchmarks/lora.py), so "merge" is the default."""
+    max_lora_rank: int | None = None
+    """With lora = "vllm", the server's `--max-lora-rank` (one of vLLM's 1, 8, 16, 32, 64, 128, 256,
+    320, 512; at least the adapter's rank); None: the smallest that holds the adapter."""
+
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "auto"
     """Serving dtype ("auto": bf16 where the device runs it natively, else float32)."""
     gpu_memory_utilization: float | None = None
@@ -61,6 +72,10 @@ class ServingConfig:
             raise ValueError(f"gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib: {self.kv_cache_gib} must be > 0")
+        from agentrl.common.adapters import VLLM_MAX_LORA_RANKS
+
+        if self.max_lora_rank is not None and self.max_lora_rank not in VLLM_MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank: {self.max_lora_rank} is not one vLLM takes; use one of {list(VLLM_MAX_LORA_RANKS)}")
 
 
 @config_dataclass
@@ -249,6 +264,9 @@ class Services:
     """In-process tools (functions, MCP servers), built in each process that connects."""
     procs: list = field(default_factory=list)
     vllm_server: object | None = None
+    vllm_model: str = ""
+    """The `model` requests to the servers name: the policy adapter's name when they serve it with
+    vLLM's LoRA path (`vllm_server.lora = "vllm"`); empty: the servers' base model."""
 
     def exited(self) -> list[tuple[Any, int]]:
         """The processes started here that are no longer running, with their exit codes (a slot whose
@@ -276,7 +294,8 @@ def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: 
 async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env_required: tuple[str, ...],
                          model_dir: str, corpus: Path | None, logs: Path, say=print, start_vllm: bool = True,
                          host: str = "127.0.0.1", control_token: str | None = None,
-                         tool_keys: ToolServiceKeys | None = None, launcher=None) -> Services:
+                         tool_keys: ToolServiceKeys | None = None, launcher=None,
+                         served_adapter: Path | None = None) -> Services:
     """Start the tool services and (unless `start_vllm` is False: `agentrl check`) the vLLM server
     the config does not point at, all bound to `host`. Off loopback the vLLM server needs a control
     token (`control_token`, else AGENTRL_CONTROL_TOKEN in this environment) and the tool services
@@ -285,7 +304,12 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
     side's pair. On failure every process started so far is stopped before the error propagates.
 
     `launcher` places each process (agentrl/launch/): None is this host (`LocalLauncher(host)`); under
-    a cluster launcher each binds its own node's address, and `host` is the driver's (off loopback)."""
+    a cluster launcher each binds its own node's address, and `host` is the driver's (off loopback).
+
+    `served_adapter`: the servers serve the policy as a LoRA adapter with vLLM's own LoRA path
+    (`vllm_server.lora = "vllm"`): the server started here starts with this peft folder as its
+    adapter (agentrl.common.adapters.POLICY_ADAPTER), and every request names it, given servers'
+    too (they must serve an adapter of that name)."""
     from agentrl.common.control_auth import is_loopback
     from agentrl.engine.roles import LocalLauncher, VLLMRole
     from agentrl.engine.serve import VLLMServerConfig
@@ -298,6 +322,13 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
     curve = ToolCurve(host, tool_keys)
     logs.mkdir(parents=True, exist_ok=True)
     services = Services(vllm_urls=list(config.vllm), local=[t for t in tools if isinstance(t, LOCAL_SOURCES)])
+    lora_args = {}
+    if served_adapter is not None:
+        from agentrl.common.adapters import POLICY_ADAPTER, adapter_folder_rank, vllm_max_lora_rank
+
+        services.vllm_model = POLICY_ADAPTER
+        lora_args = {"lora_adapter": str(served_adapter),
+                     "max_lora_rank": config.vllm_server.max_lora_rank or vllm_max_lora_rank(adapter_folder_rank(served_adapter))}
     try:
         for i, source in enumerate(tools):  # user services first: a broken one stops the run before vLLM starts
             if isinstance(source, CommandSource):
@@ -336,7 +367,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             server_config = VLLMServerConfig(model_dir=model_dir, host=host, dtype=config.vllm_server.dtype,
                                              max_model_len=config.vllm_server.max_model_len,
                                              gpu_memory_utilization=config.vllm_server.gpu_memory_utilization,
-                                             kv_cache_gib=config.vllm_server.kv_cache_gib)
+                                             kv_cache_gib=config.vllm_server.kv_cache_gib, **lora_args)
             slot = launcher.place("vllm", "inference")
             services.vllm_server = slot
             say(f"starting vLLM server (log {logs / 'vllm.log'}) ...")
@@ -487,8 +518,10 @@ class Connections:
     """Clients of the running services and the environment over their tools (an async context)."""
 
     def __init__(self, vllm_urls: list[str], remote: list[RemoteService], model_dir: str, env_config: EnvConfig,
-                 local: list[ToolSource] | None = None):
+                 local: list[ToolSource] | None = None, *, model: str | None = None):
         self.vllm_urls, self.remote, self.model_dir, self.env_config = vllm_urls, remote, model_dir, env_config
+        self.model = model
+        """The `model` the servers' requests name (Services.vllm_model); None: their base model."""
         self.local = local or []
         self._stack = contextlib.AsyncExitStack()
         self.mcp_servers: list = []
@@ -506,7 +539,7 @@ class Connections:
         await self._stack.__aenter__()
         try:
             # No server: the tools and the environment only (`agentrl check`).
-            self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls)) if self.vllm_urls else None
+            self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls, model=self.model)) if self.vllm_urls else None
             self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
             self.env = make_env(self.chat, self.env_config)
             self.tools = []

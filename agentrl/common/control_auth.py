@@ -50,7 +50,14 @@ def control_headers() -> dict[str, str]:
     return {CONTROL_TOKEN_HEADER: token} if token else {}
 
 
+CONTROL_UNDER_PUBLIC = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+"""Control paths under a public prefix: vLLM's runtime LoRA loading (a push on a server that serves
+the adapter itself) would otherwise let anyone load an adapter from any path on the server."""
+
+
 def is_public(path: str) -> bool:
+    if path.rstrip("/") in CONTROL_UNDER_PUBLIC:
+        return False
     return path in ("/health", "/ping", "/version", "/metrics") or path.startswith(PUBLIC_PREFIXES)
 
 

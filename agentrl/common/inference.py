@@ -235,8 +235,12 @@ class VLLMClient:
         max_connections: int = 8192,
         request_timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
+        model: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self.model = model
+        """The `model` every generate request names (a LoRA adapter the server serves itself:
+        agentrl.common.adapters.POLICY_ADAPTER); None: the server's base model."""
         url = urlsplit(self.base_url)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"VLLMClient needs an http://host:port base URL, got {base_url!r}")
@@ -318,6 +322,8 @@ class VLLMClient:
         # The prompt list is encoded as it is (no copy): it is O(prompt length) to send and should be
         # O(1) Python work besides.
         body = {"token_ids": prompt_ids, "sampling_params": sampling, "stream": False}
+        if self.model is not None:
+            body["model"] = self.model
         if return_text:
             body["output_mode"] = "text"
         try:

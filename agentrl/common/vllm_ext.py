@@ -23,6 +23,13 @@ dtype) and applied like a full push, but the record keeps the unmerged weights, 
 push is added to the same base. The server therefore decodes at full speed with no LoRA kernels,
 and the push carries only the adapter's bytes.
 
+A server started with vLLM's own LoRA (`--enable-lora`, agentrl's `services.vllm_server.lora =
+"vllm"`) serves the adapter instead: an adapter push is checked against the record's shapes and
+the server's `--max-lora-rank`, written as a peft folder into the worker's own weights directory,
+and the stage's answer names that folder (`lora_dir`); the pusher then reloads the adapter in place
+through vLLM's `/v1/load_lora_adapter` (agentrl.common.weights). Full-weight pushes are refused on
+such a server: its linear layers are vLLM's LoRA wrappers, and the policy is the adapter.
+
 Dtypes: the record and every staged tensor are kept in the served dtype (the server's `--dtype`),
 so the reload hands the model tensors of its own dtype. Handing it the float32 tensors of the model
 folder made vLLM log "Attempted to load weight ... float32 into bfloat16" for every tensor of every
@@ -48,12 +55,20 @@ instead of raised, so the HTTP caller gets the reason rather than a bare 500.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from agentrl.common.adapters import adapter_scaling, merge_adapter
+from agentrl.common.adapters import (
+    POLICY_ADAPTER,
+    adapter_pairs,
+    adapter_scaling,
+    merge_adapter,
+    peft_adapter_config,
+    write_peft_folder,
+)
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 LOAD_LOGGER = "vllm.model_executor.models.utils"
@@ -144,6 +159,13 @@ class WeightSwapExtension:
             return {"ok": False, "error": f"cannot read weights file {path}: {type(err).__name__}: {err}"}
         if not update:
             return {"ok": False, "error": f"weights file {path} holds no tensors"}
+        lora_config = getattr(self.vllm_config, "lora_config", None)
+        if lora_config is not None:
+            if scaling is None:
+                return {"ok": False, "error": f"refused {path}: this server serves the policy as a LoRA adapter "
+                                              "(--enable-lora), and the push holds full weights; push the adapter, or "
+                                              "serve without --enable-lora (services.vllm_server.lora = \"merge\")"}
+            return self._agentrl_stage_served_adapter(path, update, scaling, lora_config.max_lora_rank, start)
         if scaling is not None:
             return self._agentrl_stage_adapter(path, update, scaling, start)
         problems = []
@@ -177,6 +199,42 @@ class WeightSwapExtension:
         self._agentrl_staged = merged
         self._agentrl_staged_is_delta = True
         return {"ok": True, "num_tensors": len(adapter), "stage_s": time.perf_counter() - start}
+
+    _agentrl_adapter_dirs: list[Path] = []
+    """The adapter folders this worker wrote for vLLM's LoRA path, oldest first (the last two kept)."""
+
+    def _agentrl_stage_served_adapter(self, path: str, adapter: dict[str, torch.Tensor], scaling: float,
+                                      max_rank: int, start: float) -> dict:
+        """Check an adapter push and write it as the peft folder vLLM's LoRA path loads (module
+        docstring); the pusher loads it with `/v1/load_lora_adapter`."""
+        bad = [name for name, t in adapter.items() if not t.is_floating_point() or not bool(torch.isfinite(t).all())]
+        if bad:
+            return {"ok": False, "error": f"refused {path}: not finite floating point: {bad[:5]}"}
+        try:
+            pairs = adapter_pairs(self._agentrl_load_record(), adapter)
+        except ValueError as err:
+            return {"ok": False, "error": f"refused {path}: {err}"}
+        ranks = {a.shape[0] for a, _ in pairs.values()}
+        if len(ranks) != 1:
+            return {"ok": False, "error": f"refused {path}: the adapter's modules have different ranks {sorted(ranks)}"}
+        rank = ranks.pop()
+        if rank > max_rank:
+            return {"ok": False, "error": f"refused {path}: the adapter's rank {rank} is above this server's "
+                                          f"--max-lora-rank {max_rank}; start it with --max-lora-rank >= {rank} "
+                                          "(services.vllm_server.max_lora_rank)"}
+        from agentrl.common.weights import own_weights_dir
+
+        modules = sorted({module.rsplit(".", 1)[-1] for module in pairs})
+        folder = own_weights_dir() / f"adapter-{len(self._agentrl_adapter_dirs)}-{time.time_ns()}"
+        config = peft_adapter_config(rank, scaling * rank, modules, None, self.vllm_config.model_config.model)
+        write_peft_folder(folder, {k: t.float() for k, t in adapter.items()}, config)
+        self._agentrl_adapter_dirs = [*self._agentrl_adapter_dirs, folder]
+        for old in self._agentrl_adapter_dirs[:-2]:  # the served adapter's folder and this one stay
+            shutil.rmtree(old, ignore_errors=True)
+        self._agentrl_adapter_dirs = self._agentrl_adapter_dirs[-2:]
+        self._agentrl_staged = None
+        return {"ok": True, "num_tensors": len(adapter), "stage_s": time.perf_counter() - start,
+                "lora_dir": str(folder), "lora_name": POLICY_ADAPTER, "rank": rank}
 
     def agentrl_apply_staged(self) -> dict:
         """Reload the model from the record merged with the staged push. Call while paused."""

@@ -29,7 +29,9 @@ A push, in order:
    requests are in flight too. Call `reset_kv_cache` before a measurement that must see only the
    new weights (an evaluation).
 4. apply: layer-wise reload from the staged tensors (the only reload path that works on the CPU
-   worker; about 0.35 s for 135M parameters).
+   worker; about 0.35 s for 135M parameters). On a server that serves the policy as a LoRA adapter
+   (vLLM's own LoRA path), the stage wrote the adapter as a peft folder on the server and the apply
+   is vLLM's `/v1/load_lora_adapter` with `load_inplace` (requests in flight continue with it).
 5. set the weight-version label (the learner step), so tokens sampled from now on carry it.
 6. resume. Steps 4-6 run in a `finally` that always resumes, so a failure never leaves the
    server paused.
@@ -235,6 +237,22 @@ async def _rpc(session: aiohttp.ClientSession, base_url: str, method: str, *args
     return results[0]
 
 
+async def _load_adapter(session: aiohttp.ClientSession, base_url: str, name: str, folder: str) -> dict:
+    """Reload the adapter `name` in place from the server-side peft `folder` (vLLM's
+    /v1/load_lora_adapter with load_inplace); its requests in flight continue with it."""
+    t0 = time.perf_counter()
+    url = base_url + "/v1/load_lora_adapter"
+    body = {"lora_name": name, "lora_path": folder, "load_inplace": True}
+    async with session.post(url, json=body, headers=control_headers()) as resp:
+        text = await resp.text()
+        if resp.status == 404:
+            raise WeightPushError(f"POST {url} -> HTTP 404: the server has no runtime LoRA loading (start it with "
+                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as agentrl serve-model --lora-rank does)")
+        if resp.status >= 400:
+            raise WeightPushError(f"POST {url} -> HTTP {resp.status}: {text[:500]}")
+    return {"ok": True, "reload_s": time.perf_counter() - t0}
+
+
 async def push_weights(
     base_url: str,
     weights: str | Path | Mapping,
@@ -287,7 +305,10 @@ async def push_weights(
             t_pause = time.perf_counter()
             await _post(session, base_url + "/pause", params={"mode": "keep", "clear_cache": "true" if recompute_kv else "false"})
             try:
-                applied = await _rpc(session, base_url, "agentrl_apply_staged")
+                if "lora_dir" in staged:  # a server that serves the adapter itself (vLLM's LoRA path)
+                    applied = await _load_adapter(session, base_url, staged["lora_name"], staged["lora_dir"])
+                else:
+                    applied = await _rpc(session, base_url, "agentrl_apply_staged")
                 await _post(session, base_url + "/update_weight_version", json_body={"new_version": str(int(version))})
             finally:
                 await _post(session, base_url + "/resume")
