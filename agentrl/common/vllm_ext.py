@@ -202,6 +202,7 @@ class WeightSwapExtension:
 
     _agentrl_adapter_dirs: list[Path] = []
     """The adapter folders this worker wrote for vLLM's LoRA path, oldest first (the last two kept)."""
+    _agentrl_adapter_count = 0
 
     def _agentrl_stage_served_adapter(self, path: str, adapter: dict[str, torch.Tensor], scaling: float,
                                       max_rank: int, start: float) -> dict:
@@ -225,7 +226,8 @@ class WeightSwapExtension:
         from agentrl.common.weights import own_weights_dir
 
         modules = sorted({module.rsplit(".", 1)[-1] for module in pairs})
-        folder = own_weights_dir() / f"adapter-{len(self._agentrl_adapter_dirs)}-{time.time_ns()}"
+        self._agentrl_adapter_count += 1
+        folder = own_weights_dir() / f"adapter-{self._agentrl_adapter_count}"
         config = peft_adapter_config(rank, scaling * rank, modules, None, self.vllm_config.model_config.model)
         write_peft_folder(folder, {k: t.float() for k, t in adapter.items()}, config)
         self._agentrl_adapter_dirs = [*self._agentrl_adapter_dirs, folder]
