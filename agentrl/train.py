@@ -21,7 +21,8 @@ default, then --config, then each --set; `--help` lists every key). Phases:
    process (engine/actor.py) run side by side; the learner pushes weights every step while rollouts
    continue. The supervisor evaluates on the held-out set every `eval.every_s` while evaluations stay
    within `eval.max_share` of the budget, restarts a learner that died (it resumes from its
-   checkpoint and spool, so no group is lost or trained twice), and stops both early enough that
+   checkpoint and spool, so no group is lost or trained twice) and a vLLM server that died (at its
+   URL; the learner pushes it the latest weights when it answers), and stops both early enough that
    the final evaluation still fits in the time budget. A phase shorter than `rl_min_share` of the
    budget is announced with the `--minutes` that would give it that share; under a minute, it is
    skipped, and the report and JSON line say that RL did not run.
@@ -134,6 +135,7 @@ class Supervisor:
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
+        self.server_restarts = 0
         # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
         self.evals: list[dict] = read_jsonl(out / "evals.jsonl") if resume else []
         self.progress = progress
@@ -308,30 +310,62 @@ class Supervisor:
         self.say(f"started {slot.name}{slot.where} (pid {slot.pid}, log {log_path})")
         return slot
 
-    def _check_services(self) -> None:
-        """A service the run started that exited: the vLLM server stops the run (episodes could only
-        fail); a tool service is said once (its calls go to other replicas or fail as tool errors).
-        Neither is started again yet (docs/notes/issue-28.md)."""
+    async def _check_services(self) -> None:
+        """A service the run started that exited: the vLLM server is started again at its URL
+        (`_restart_server`); a tool service is said once (its calls go to other replicas or fail as
+        tool errors) and not started again (docs/notes/issue-28.md)."""
         for slot, code in self.services.exited():
             if slot is self.services.vllm_server:
-                raise RuntimeError(f"the vLLM server{slot.where} exited with {code} (log {slot.log_path}); a lost server "
-                                   f"is not started again yet: `agentrl train --resume {self.out}` continues the run")
-            if slot.name not in self.services_lost:
+                await self._restart_server(slot, code)
+            elif slot.name not in self.services_lost:
                 self.services_lost.add(slot.name)
                 self.say(f"tool service {slot.name}{slot.where} exited with {code} (log {slot.log_path}): its calls go "
                          "to its other replicas, or fail as tool errors the model sees; it is not started again")
 
-    def _replace_slot(self, slot):
+    async def _restart_server(self, slot, code: int) -> None:
+        """Start the vLLM server that exited again, at the same URL (its node's address and port), so
+        that the actor's pool and the learner's publisher, which both watch for it, take it back: the
+        publisher pushes it the latest weights as soon as it answers. Meanwhile the episodes that need
+        it fail (counted, not dropped). Its node lost: placed on another node with the same address,
+        else the run stops (the actor cannot follow a server that moved yet)."""
+        from urllib.parse import urlsplit
+
+        limit = self.config.services.max_server_restarts
+        why = f"the vLLM server{slot.where} exited with {code} (log {slot.log_path})"
+        if self.server_restarts >= limit:
+            raise RuntimeError(f"{why}, after {self.server_restarts} restarts (services.max_server_restarts = {limit}): "
+                               f"`agentrl train --resume {self.out}` continues the run")
+        self.server_restarts += 1
+        url = urlsplit(slot.endpoint)
+        self.say(f"{why}; starting it again at {slot.endpoint} (restart {self.server_restarts}); episodes fail until it "
+                 "answers, then the learner pushes it the latest weights")
+        await asyncio.to_thread(slot.stop)  # what is left of its process group
+        role = self.services.vllm_role
+        role = dataclasses.replace(role, config=dataclasses.replace(role.config, port=url.port),
+                                   log_path=str(Path(role.log_path).with_name(f"vllm-restart{self.server_restarts}.log")))
+        try:
+            new = self._replace_slot(slot, "inference")
+            await asyncio.to_thread(new.start, role)
+        except (RuntimeError, TimeoutError, OSError) as err:  # no node takes it, or it does not start
+            raise RuntimeError(f"{why}, and it could not be started again: {err}\n`agentrl train --resume {self.out}` "
+                               "continues the run") from err
+        if new.endpoint != slot.endpoint:
+            raise RuntimeError(f"{why}; started again at {new.endpoint}, not its URL {slot.endpoint}")
+        self.services.vllm_server = new
+        self.say(f"vLLM server: {new.endpoint}{new.where} again (pid {new.pid})")
+
+    def _replace_slot(self, slot, kind: str = "learner"):
         """Where a died process of `slot` starts again: the same place while its host is there (its
-        config's endpoints stay valid); a new one on another node when the host was lost, as long as
-        that node has the same address (the actor keeps the learner's endpoints for the whole run)."""
+        endpoints stay valid); a new one of `kind` on another node when the host was lost, as long as
+        that node has the same address (the actor keeps the learner's and the servers' endpoints for
+        the whole run)."""
         if slot.poll() != HOST_LOST:
             return slot
-        new = self.launcher.place(slot.name, "learner")
+        new = self.launcher.place(slot.name, kind)
         if new.host != slot.host:
             new.stop()
             raise RuntimeError(f"{slot.name}: its node ({slot.host}) was lost, and the node Ray placed it on next has "
-                               f"another address ({new.host}); the actor cannot follow a learner that moved yet")
+                               f"another address ({new.host}); the actor cannot follow a process that moved yet")
         self.say(f"{slot.name}: its node was lost; placed again on node {new.node_id[:12]}")
         return new
 
@@ -615,7 +649,7 @@ class Supervisor:
                 await asyncio.sleep(2.0)
                 if actor.poll() is not None:
                     raise RuntimeError(f"actor exited with {actor.poll()}; log {actor.log_path}:\n{actor.log_tail()}")
-                self._check_services()
+                await self._check_services()
                 rc = learner.poll()
                 if rc is not None:
                     if rc == 0:
@@ -647,7 +681,8 @@ class Supervisor:
         # lines of steps its successor redoes or never reaches.
         checkpoints = checkpoint_dirs(self.out / "rl" / "checkpoints")
         last_version = checkpoint_step(checkpoints[-1]) if checkpoints else first_version
-        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "learner_rc": learner.poll(), "actor_rc": actor.poll(),
+        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "server_restarts": self.server_restarts,
+                                "learner_rc": learner.poll(), "actor_rc": actor.poll(),
                                 "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
                                 "first_version": first_version, "last_version": last_version})
 
@@ -959,6 +994,7 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         "episodes": _actor_episodes(out / "actor" / "stats.jsonl"),
         "optimizer_steps": rl_metrics.get("step", sft.get("steps_done", 0)),
         "learner_restarts": rl.get("learner_restarts", 0),
+        "server_restarts": rl.get("server_restarts", 0),
         "minutes": round((time.time() - started) / 60, 2),
         "minutes_after_setup": round((time.time() - started - supervisor.setup_s - supervisor.diagnostic_s) / 60, 2),
         "setup_minutes": round(supervisor.setup_s / 60, 2),

@@ -10,9 +10,10 @@ What it measures:
   kept in flight; full top-8-layer pushes and adapter pushes alternate, `--pushes` each: bytes per
   push, pause (generation stopped), and the whole push as the learner waits for it.
 - decode: generated tokens/s (32 requests x 64 tokens) of that server before and after an adapter
-  push (agentrl serves an adapter merged into the weights), and of a second server started with
-  vLLM's own LoRA (`--enable-lora`), with and without the adapter named in the request; rounds
-  alternate base / adapter.
+  push (agentrl serves an adapter merged into the weights), and of a second server on vLLM's own
+  LoRA path (`services.vllm_server.lora = "vllm"`: `--enable-lora`, started from the adapter's peft
+  folder), with and without the adapter named in the request (rounds alternate base / adapter),
+  and that server's adapter pushes (reloaded in place) with 32 requests in flight.
 
 Prints one JSON line last. Run: python benchmarks/lora.py [--steps 3] [--pushes 3]
 """
@@ -94,31 +95,54 @@ def learner_rates(steps: int) -> dict:
     return out | {"models": {mode: run[0] for mode, run in runs.items()}}
 
 
-async def _decode_rate(client, prompt: list[int], model: str | None = None) -> float:
-    """32 requests x 64 tokens; `model` names a vLLM LoRA adapter (the request's model field)."""
-    import aiohttp
+async def _decode_rate(client, prompt: list[int]) -> float:
+    """32 requests x 64 tokens (a client with `model` set names a vLLM LoRA adapter)."""
+    from agentrl.common.inference import SamplingParams
 
-    async def one(session, seed):
-        body = {"token_ids": prompt, "stream": False,
-                "sampling_params": {"max_tokens": 64, "temperature": 1.0, "seed": seed, "ignore_eos": True}}
-        if model:
-            body["model"] = model
-        async with session.post(client.base_url + "/inference/v1/generate", json=body) as resp:
-            answer = await resp.json()
-            if resp.status >= 400:
-                raise RuntimeError(answer)
-            return len(answer["choices"][0]["token_ids"])
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(client.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=s, ignore_eos=True))
+                                  for s in range(32)))
+    return sum(len(g.token_ids) for g in done) / (time.perf_counter() - t0)
 
-    async with aiohttp.ClientSession() as session:
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(session, s) for s in range(32)))
-        return sum(counts) / (time.perf_counter() - t0)
+
+async def _pushes_under_load(client, url: str, prompt: list[int], kinds: dict, num_pushes: int) -> dict:
+    """Pushes of each payload in `kinds` (name -> (weights, metadata)), alternating, `num_pushes`
+    each after one warm-up round, with 32 sampling requests kept in flight: bytes, pause, whole push."""
+    from agentrl.common.inference import SamplingParams
+    from agentrl.common.weights import push_weights
+
+    stop = asyncio.Event()
+
+    async def load_loop(seed: int) -> None:
+        while not stop.is_set():
+            await client.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=seed, ignore_eos=True))
+            seed += 32
+
+    loops = [asyncio.create_task(load_loop(i)) for i in range(32)]
+    results: dict[str, list] = {kind: [] for kind in kinds}
+    version = await client.weight_version()
+    try:
+        for _ in range(1 + num_pushes):  # the first round warms up
+            for kind, (payload, meta) in kinds.items():
+                version += 1
+                t0 = time.perf_counter()
+                result = await push_weights(url, payload, version, metadata=meta)
+                results[kind].append((result, time.perf_counter() - t0))
+    finally:
+        stop.set()
+        await asyncio.gather(*loops)
+    out = {}
+    for kind, rows in results.items():
+        rows = rows[1:]
+        out |= {f"{kind}_push_bytes": rows[-1][0].bytes,
+                f"{kind}_push_pause_s": round(statistics.median(r.pause_s for r, _ in rows), 3),
+                f"{kind}_push_s": round(statistics.median(t for _, t in rows), 3)}
+    return out
 
 
 async def pushes(models: dict, num_pushes: int, adapter_dir: Path) -> dict:
-    from agentrl.common.adapters import adapter_metadata
-    from agentrl.common.inference import SamplingParams, VLLMClient
-    from agentrl.common.weights import push_weights
+    from agentrl.common.adapters import POLICY_ADAPTER, adapter_metadata
+    from agentrl.common.inference import VLLMClient
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
     from agentrl.learner.lora import snapshot_adapter
     from agentrl.learner.publish import snapshot_weights
@@ -139,49 +163,29 @@ async def pushes(models: dict, num_pushes: int, adapter_dir: Path) -> dict:
     try:
         async with VLLMClient(server.base_url) as client:
             out["decode_tokens_per_s_base"] = round(await _decode_rate(client, prompt), 1)
-            stop = asyncio.Event()
-
-            async def load_loop(seed: int) -> None:
-                while not stop.is_set():
-                    await client.generate(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=seed, ignore_eos=True))
-                    seed += 32
-
-            loops = [asyncio.create_task(load_loop(i)) for i in range(32)]
-            results: dict[str, list] = {"full": [], "adapter": []}
-            version = await client.weight_version()
-            for _ in range(1 + num_pushes):  # the first round warms both up
-                for kind, payload in (("full", full), ("adapter", adapter)):
-                    version += 1
-                    t0 = time.perf_counter()
-                    result = await push_weights(server.base_url, payload, version, metadata=meta if kind == "adapter" else None)
-                    results[kind].append((result, time.perf_counter() - t0))
-            stop.set()
-            await asyncio.gather(*loops)
-            for kind, rows in results.items():
-                rows = rows[1:]
-                out |= {f"{kind}_push_bytes": rows[-1][0].bytes,
-                        f"{kind}_push_pause_s": round(statistics.median(r.pause_s for r, _ in rows), 3),
-                        f"{kind}_push_s": round(statistics.median(t for _, t in rows), 3)}
+            out |= await _pushes_under_load(client, server.base_url, prompt, {"full": (full, None), "adapter": (adapter, meta)},
+                                            num_pushes)
             out["adapter_bytes_fraction_of_full"] = round(out["adapter_push_bytes"] / out["full_push_bytes"], 4)
             out["decode_tokens_per_s_after_adapter_push"] = round(await _decode_rate(client, prompt), 1)
     finally:
         server.stop()
-    # vLLM's own LoRA path, for comparison: the same adapter, named in the request.
+    # vLLM's own LoRA path (services.vllm_server.lora = "vllm"): the same adapter served by name,
+    # started from the peft folder and reloaded in place by each push.
     from agentrl.learner.lora import write_adapter_folder
 
     write_adapter_folder(adapter_dir, {k: v.float() for k, v in adapter.items()}, LoraConfig(rank=RANK),
                          list(range(30 - LAYERS, 30)), server.model_dir)
-    native = VLLMServer(VLLMServerConfig(gpu_memory_utilization=0.08,
-                                         extra_args=["--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "1",
-                                                     "--lora-modules", f"policy={adapter_dir}"]))
+    native = VLLMServer(VLLMServerConfig(gpu_memory_utilization=0.08, lora_adapter=str(adapter_dir), max_lora_rank=RANK))
     native.start(timeout_s=400)
     try:
-        async with VLLMClient(native.base_url) as client:
+        async with VLLMClient(native.base_url) as base, VLLMClient(native.base_url, model=POLICY_ADAPTER) as named:
             rates: dict[str, list[float]] = {"base": [], "adapter": []}
-            await _decode_rate(client, prompt, "policy")  # warm-up
+            await _decode_rate(named, prompt)  # warm-up
             for _ in range(3):
-                rates["base"].append(await _decode_rate(client, prompt))
-                rates["adapter"].append(await _decode_rate(client, prompt, "policy"))
+                rates["base"].append(await _decode_rate(base, prompt))
+                rates["adapter"].append(await _decode_rate(named, prompt))
+            pushed = await _pushes_under_load(named, native.base_url, prompt, {"adapter": (adapter, meta)}, num_pushes)
+        out |= {f"vllm_lora_{k}": v for k, v in pushed.items()}
         out["vllm_lora_decode_tokens_per_s_base"] = round(statistics.median(rates["base"]), 1)
         out["vllm_lora_decode_tokens_per_s_adapter"] = round(statistics.median(rates["adapter"]), 1)
         out["vllm_lora_decode_ratio"] = round(out["vllm_lora_decode_tokens_per_s_adapter"] / out["vllm_lora_decode_tokens_per_s_base"], 3)

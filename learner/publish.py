@@ -80,10 +80,13 @@ class WeightPublisher:
 
     Per-server isolation: a push that fails on one server (unreachable, timed out, refused) marks
     that server down (logged, counted in `num_push_failures`); the others still get the weights and
-    `served_version` is the oldest version among the servers that are up. While any server is down,
-    the latest weights file is kept (one file in /dev/shm), and every `probe_interval_s` the
+    `served_version` is the oldest version among the servers that are up. The latest weights file
+    is kept (one file in /dev/shm, replaced by each push), and every `probe_interval_s` the
     publisher asks each down server for its version; one that answers is pushed the latest weights
     and is up again. A down server is also asked before each new push, and joins it if it answers.
+    The servers that are up are asked too: one that serves a version below the one it was pushed
+    was restarted between two pushes (`agentrl train` starts a dead server again at its URL, with
+    the base weights), and it is pushed the latest weights like a server that came back.
     `probe` (at start) asks every server for its version concurrently; one that does not answer
     within `probe_timeout_s` is marked down instead of failing the learner.
 
@@ -172,9 +175,14 @@ class WeightPublisher:
         return report
 
     async def _recover(self) -> None:
-        """Push the latest weights to the down servers that answer again."""
+        """Push the latest weights to the down servers that answer again, and to the servers that
+        serve less than they were pushed (restarted)."""
         assert self._latest is not None
         version, path = self._latest
+        up = [url for url in self.server_urls if url not in self.down]
+        for url, served in zip(up, await asyncio.gather(*(self._query_version(url) for url in up)), strict=True):
+            if served is not None and served < self.versions.get(url, served):
+                self._mark_down(url, f"serves version {served}, below the {self.versions[url]} it was pushed: it restarted")
         down = list(self.down)
         answering = await asyncio.gather(*(self._query_version(url) for url in down))
         back = [url for url, v in zip(down, answering, strict=True) if v is not None]
@@ -223,10 +231,6 @@ class WeightPublisher:
         self._latest = (version, path)
 
     def _after_pushes(self) -> None:
-        """Keep the latest weights file only while a server still needs it; update served_version."""
-        if not self.down and self._latest is not None:
-            self._latest[1].unlink(missing_ok=True)
-            self._latest = None
         self._update_served()
 
     def _update_served(self) -> None:
@@ -242,7 +246,7 @@ class WeightPublisher:
             await asyncio.sleep(self.probe_interval_s)
             idle = self._task is None or (self._task.done() and not self._task.cancelled()
                                           and self._task.exception() is None)
-            if self.down and self._latest is not None and idle:
+            if self._latest is not None and idle:
                 self._task = asyncio.create_task(self._recover(), name="weight-push-recovery")
 
     async def wait(self) -> PushReport | None:

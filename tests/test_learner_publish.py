@@ -185,16 +185,37 @@ async def test_a_down_server_does_not_stop_the_others_and_gets_the_latest_weight
             await _until(lambda: dead_url not in publisher.down)
             assert revived.pushes == ["2"] and publisher.num_recoveries == 1
             assert publisher.versions == {up_url: 2, dead_url: 2} and publisher.served_version == 2
-            assert not kept.exists()  # nobody needs it any more
             await publisher.publish(3, {"w": torch.zeros(2)})
             report = await publisher.wait()
             assert set(report.per_server) == {up_url, dead_url} and not report.failed
             assert up.pushes == ["1", "2", "3"] and revived.pushes == ["2", "3"]
+            assert not kept.exists() and len(list(tmp_path.glob("agentrl-weights-*/*"))) == 1  # the latest only
         # It goes away again mid-run: the push to it fails, the other still takes version 4.
         await publisher.publish(4, {"w": torch.zeros(2)})
         report = await publisher.wait()
         assert set(report.per_server) == {up_url} and dead_url in publisher.down and up.version == "4"
         assert publisher.versions == {up_url: 4} and publisher.served_version == 4
+        await publisher.close()
+        assert not list(tmp_path.glob("agentrl-weights-*/*"))
+
+
+async def test_a_server_restarted_between_two_pushes_is_pushed_the_latest_weights(monkeypatch, tmp_path):
+    """A server that dies and is started again between two pushes never fails a push, but serves the
+    base weights (version 0) while the publisher thinks it serves the last: the publisher's watch asks
+    the servers that are up too, and pushes the latest weights to one that went back."""
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    async with weight_server() as (url, server):
+        publisher = WeightPublisher([url], probe_timeout_s=2.0, probe_interval_s=0.2)
+        await publisher.probe()
+        await publisher.publish(5, {"w": torch.full((2,), 5.0)})
+        await publisher.wait()
+        assert server.pushes == ["5"]
+        await asyncio.sleep(0.6)  # watched and found serving what it was pushed: no push
+        assert server.pushes == ["5"]
+        server.version = "default"  # started again: a fresh server's label, the base weights
+        await _until(lambda: server.pushes == ["5", "5"])
+        await _until(lambda: url not in publisher.down and publisher.versions == {url: 5})
+        assert server.version == "5" and publisher.num_recoveries == 1 and publisher.served_version == 5
         await publisher.close()
         assert not list(tmp_path.glob("agentrl-weights-*/*"))
 

@@ -239,8 +239,8 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_lost_inference_node_stops_the_run_saying_so(tmp_path):
-    """A lost server is not started again yet: the run must stop and say which server, where, and how
-    to continue, rather than fail every episode until its budget ends."""
+    """A lost server whose node is gone, with no other inference node to take it: the run must stop and
+    say which server, where, and how to continue, rather than fail every episode until its budget ends."""
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "learner": {"agentrl_learner": 1},
                                "tools": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
     config = tmp_path / "ray.toml"
@@ -248,8 +248,8 @@ def test_a_lost_inference_node_stops_the_run_saying_so(tmp_path):
     out = tmp_path / "run"
     try:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
-                                 "--ray-address", cluster.address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+                                 "--ray-address", cluster.address, "--set", "cluster.place_timeout_s=30"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         lines: list[str] = []
         import threading
 
@@ -268,7 +268,7 @@ def test_a_lost_inference_node_stops_the_run_saying_so(tmp_path):
         time.sleep(1.0)  # the reader thread drains the pipe
         text = "\n".join(lines)
         assert f"the vLLM server on node {nodes['inference'].node_id[:12]}" in text, text[-3000:]
-        assert f"agentrl train --resume {out}" in text
+        assert f"agentrl train --resume {out}" in text and "could not be started again" in text
         assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
     finally:
         cluster.shutdown()

@@ -28,7 +28,7 @@ from agentrl.common.proctable import all_processes, descendants, same_process
 from agentrl.learner.checkpoint import load_latest_checkpoint
 
 CONFIG = """
-minutes = 7.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation
+minutes = 9.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation (the test kills the run mid-RL)
 [tasks.options]
 heldout_num = 6
 heldout_hops = [1]
@@ -120,6 +120,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     reader = LineReader(proc.stdout)
     try:
         replica = _pid(reader.wait_for("tool service search #1", 120))
+        server = _pid(reader.wait_for("vLLM server: ", 600))
         learner = _pid(reader.wait_for("started learner-rl", 900))
         metrics = out / "rl" / "metrics.jsonl"
         deadline = time.monotonic() + 300
@@ -128,6 +129,10 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
         assert len(_metric_lines(metrics)) >= 2, "\n".join(reader.lines[-30:])
         os.kill(replica, signal.SIGKILL)
         os.kill(learner, signal.SIGKILL)
+        os.killpg(server, signal.SIGKILL)  # the vLLM server's whole process group: started again at its URL
+        url = reader.wait_for("vLLM server: ", 1).split()[2]
+        reader.wait_for("the vLLM server exited with -9", 60)
+        assert _pid(reader.wait_for(f"vLLM server: {url} again", 180)) != server
         reader.wait_for("learner exited with", 60)
         reader.wait_for("started learner-rl", 60)
         trained_before_restart = len(_metric_lines(metrics))
