@@ -340,6 +340,9 @@ class Supervisor:
         self.say(f"{why}; starting it again at {slot.endpoint} (restart {self.server_restarts}); episodes fail until it "
                  "answers, then the learner pushes it the latest weights")
         await asyncio.to_thread(slot.stop)  # what is left of its process group
+        if not await asyncio.to_thread(_stops_answering, slot.endpoint, 60.0):  # a lost node's, stopped by its watchdog
+            raise RuntimeError(f"{why}, but {slot.endpoint} still answers 60 s later; `agentrl train --resume {self.out}` "
+                               "continues the run")
         role = self.services.vllm_role
         role = dataclasses.replace(role, config=dataclasses.replace(role.config, port=url.port),
                                    log_path=str(Path(role.log_path).with_name(f"vllm-restart{self.server_restarts}.log")))
@@ -863,6 +866,23 @@ def resolve_args(args: argparse.Namespace):
         # The run's own resolved config is complete: it is not layered over today's default.
         return load_run_config(run_config, sets, base=None)
     return load_run_config(args.config, sets)
+
+
+def _stops_answering(url: str, timeout_s: float) -> bool:
+    """Whether `url`/health stops answering within `timeout_s` (a restarted server must not find its
+    predecessor on its port, nor take its answers for its own)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                pass
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def main(argv: list[str]) -> int:
