@@ -380,7 +380,8 @@ class Supervisor:
         self.setup_s = time.monotonic() - t0
         self.deadline = time.monotonic() + cfg.minutes * 60
         async with Connections(self.services.vllm_urls, self.services.remote, self.model_dir, cfg.env,
-                               self.services.local, model=self.services.vllm_model or None) as conn, contextlib.AsyncExitStack() as stack:
+                               self.services.local, model=self.services.vllm_model or None,
+                               server_wait_s=cfg.orchestrator.server_wait_s) as conn, contextlib.AsyncExitStack() as stack:
             self.conn = conn
             if cfg.agent.enabled:  # held-out evaluations run the agent program, greedy, through a gateway of this process
                 from agentrl.gateway.agents import agent_episodes

@@ -112,7 +112,7 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
         loop.add_signal_handler(sig, stop.set)
     taskset = load_taskset(cfg.tasks, out / "tasks")
     async with Connections(cfg.vllm, cfg.remote_tools, cfg.model_dir, cfg.env, cfg.local_tools,
-                           model=cfg.vllm_model or None) as conn, \
+                           model=cfg.vllm_model or None, server_wait_s=cfg.orchestrator.server_wait_s) as conn, \
             contextlib.AsyncExitStack() as stack:
         # The learner's queue is part of the staleness budget: every group waiting there is trained
         # at a later version than the one that sampled it. Bounding the unacknowledged groups to

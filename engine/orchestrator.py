@@ -77,6 +77,9 @@ class OrchestratorConfig:
     staleness_wait_s: float = 1800.0
     """Longest wait for the servers to catch up before the run fails, seconds."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    server_wait_s: float = 300.0
+    """With every inference server down (one the run is starting again), how long an episode's
+    request waits for one to answer before the episode fails, seconds (engine/pool.py)."""
     max_failure_rate: float = 0.2
     """Stop the run when more than this fraction of the last `failure_window` episodes failed."""
     failure_window: int = 50
@@ -93,6 +96,8 @@ class OrchestratorConfig:
             raise ValueError("OrchestratorConfig: group_size, max_concurrent_episodes and max_groups_in_flight must be >= 1")
         if self.max_staleness < 0:
             raise ValueError("max_staleness: must be >= 0")
+        if self.server_wait_s < 0:
+            raise ValueError(f"server_wait_s: {self.server_wait_s} must be >= 0")
         if not 0.0 <= self.max_failure_rate <= 1.0 or self.failure_window < 1:
             raise ValueError("max_failure_rate: must be in [0, 1] (1 = never stop), with failure_window >= 1")
 

@@ -527,8 +527,10 @@ class Connections:
     """Clients of the running services and the environment over their tools (an async context)."""
 
     def __init__(self, vllm_urls: list[str], remote: list[RemoteService], model_dir: str, env_config: EnvConfig,
-                 local: list[ToolSource] | None = None, *, model: str | None = None):
+                 local: list[ToolSource] | None = None, *, model: str | None = None, server_wait_s: float = 0.0):
         self.vllm_urls, self.remote, self.model_dir, self.env_config = vllm_urls, remote, model_dir, env_config
+        self.server_wait_s = server_wait_s
+        """With every server down, how long a request waits for one to come back (ServerPool.no_server_wait_s)."""
         self.model = model
         """The `model` the servers' requests name (Services.vllm_model); None: their base model."""
         self.local = local or []
@@ -548,7 +550,7 @@ class Connections:
         await self._stack.__aenter__()
         try:
             # No server: the tools and the environment only (`agentrl check`).
-            self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls, model=self.model)) if self.vllm_urls else None
+            self.pool = await self._stack.enter_async_context(ServerPool(self.vllm_urls, model=self.model, no_server_wait_s=self.server_wait_s)) if self.vllm_urls else None
             self.chat = ChatFormat(AutoTokenizer.from_pretrained(self.model_dir))
             self.env = make_env(self.chat, self.env_config)
             self.tools = []
