@@ -21,11 +21,12 @@ default, then --config, then each --set; `--help` lists every key). Phases:
    process (engine/actor.py) run side by side; the learner pushes weights every step while rollouts
    continue. The supervisor evaluates on the held-out set every `eval.every_s` while evaluations stay
    within `eval.max_share` of the budget, restarts a learner that died (it resumes from its
-   checkpoint and spool, so no group is lost or trained twice) and a vLLM server that died (at its
-   URL; the learner pushes it the latest weights when it answers), and stops both early enough that
-   the final evaluation still fits in the time budget. A phase shorter than `rl_min_share` of the
-   budget is announced with the `--minutes` that would give it that share; under a minute, it is
-   skipped, and the report and JSON line say that RL did not run.
+   checkpoint and spool, so no group is lost or trained twice), a vLLM server or tool service that
+   died (at its endpoint; the learner pushes a server the latest weights when it answers), and stops
+   the learner and the actor early enough that the final evaluation still fits in the time budget.
+   A phase shorter than `rl_min_share` of the budget is announced with the `--minutes` that would
+   give it that share; under a minute, it is skipped, and the report and JSON line say that RL did
+   not run.
 5. final evaluation (not run again when the served weights are the ones the SFT evaluation measured:
    that result stands), the policy exported as a Hugging Face folder (RUN_DIR/hf), `report.md` with
    plots and the time each phase took, and one JSON line last. Opt-in diagnostics after the budget:
@@ -66,7 +67,7 @@ from agentrl.common.watchdog import RunLock, RunLockedError
 from agentrl.credentials import RunCredentials
 from agentrl.engine.environments import env_class
 from agentrl.engine.evaluation import GREEDY, evaluate, evaluate_baselines
-from agentrl.engine.roles import HOST_LOST, agentrl_argv
+from agentrl.engine.roles import HOST_LOST, agentrl_argv, role_at_endpoint
 from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
@@ -130,12 +131,12 @@ class Supervisor:
         self.procs: list = []
         """The launcher's slots of the learners and the actor, in start order."""
         self.services: Services | None = None
-        self.services_lost: set[str] = set()
         self.conn: Connections | None = None
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
-        self.server_restarts = 0
+        self.restarts = {"inference": 0, "tools": 0}
+        """Services started again after they died, by kind (`_start_again`)."""
         # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
         self.evals: list[dict] = read_jsonl(out / "evals.jsonl") if resume else []
         self.progress = progress
@@ -311,51 +312,46 @@ class Supervisor:
         return slot
 
     async def _check_services(self) -> None:
-        """A service the run started that exited: the vLLM server is started again at its URL
-        (`_restart_server`); a tool service is said once (its calls go to other replicas or fail as
-        tool errors) and not started again (docs/notes/issue-28.md)."""
+        """A service the run started that exited is started again at its endpoint (`_start_again`)."""
         for slot, code in self.services.exited():
             if slot is self.services.vllm_server:
-                await self._restart_server(slot, code)
-            elif slot.name not in self.services_lost:
-                self.services_lost.add(slot.name)
-                self.say(f"tool service {slot.name}{slot.where} exited with {code} (log {slot.log_path}): its calls go "
-                         "to its other replicas, or fail as tool errors the model sees; it is not started again")
+                self.services.vllm_server = await self._start_again(slot, code, "inference")
+            else:
+                self.services.procs[self.services.procs.index(slot)] = await self._start_again(slot, code, "tools")
 
-    async def _restart_server(self, slot, code: int) -> None:
-        """Start the vLLM server that exited again, at the same URL (its node's address and port), so
-        that the actor's pool and the learner's publisher, which both watch for it, take it back: the
-        publisher pushes it the latest weights as soon as it answers. Meanwhile the episodes that need
-        it fail (counted, not dropped). Its node lost: placed on another node with the same address,
-        else the run stops (the actor cannot follow a server that moved yet)."""
-        from urllib.parse import urlsplit
-
-        limit = self.config.services.max_server_restarts
-        why = f"the vLLM server{slot.where} exited with {code} (log {slot.log_path})"
-        if self.server_restarts >= limit:
-            raise RuntimeError(f"{why}, after {self.server_restarts} restarts (services.max_server_restarts = {limit}): "
-                               f"`agentrl train --resume {self.out}` continues the run")
-        self.server_restarts += 1
-        url = urlsplit(slot.endpoint)
-        self.say(f"{why}; starting it again at {slot.endpoint} (restart {self.server_restarts}); episodes fail until it "
-                 "answers, then the learner pushes it the latest weights")
+    async def _start_again(self, slot, code: int, kind: str):
+        """Start the vLLM server or tool service of `slot` that exited again, at the same endpoint (its
+        node's address and port), so that those who use it take it back by themselves: the actor's
+        pool and the learner's publisher probe a server (the publisher then pushes it the latest
+        weights; episodes wait for it meanwhile), a tool client probes a dead replica (its calls go
+        to the other replicas, or fail as tool errors the model sees, meanwhile). Its node lost: placed
+        on another node with the same address, else the run stops (nobody can follow a service that
+        moved yet). At most `services.max_server_restarts` / `max_tool_restarts` times in a run."""
+        server = kind == "inference"
+        key = "max_server_restarts" if server else "max_tool_restarts"
+        limit, done = getattr(self.config.services, key), self.restarts[kind]
+        why = f"{'the vLLM server' if server else 'tool service ' + slot.name}{slot.where} exited with {code} (log {slot.log_path})"
+        resume = f"`agentrl train --resume {self.out}` continues the run"
+        if done >= limit:
+            raise RuntimeError(f"{why}, after {done} restarts (services.{key} = {limit}): {resume}")
+        self.restarts[kind] = done + 1
+        self.say(f"{why}; starting it again at {slot.endpoint} (restart {done + 1}); "
+                 + ("episodes wait for it, then the learner pushes it the latest weights" if server else
+                    "its calls go to its other replicas, or fail as tool errors the model sees, until it answers"))
         await asyncio.to_thread(slot.stop)  # what is left of its process group
-        if not await asyncio.to_thread(_stops_answering, slot.endpoint, 60.0):  # a lost node's, stopped by its watchdog
-            raise RuntimeError(f"{why}, but {slot.endpoint} still answers 60 s later; `agentrl train --resume {self.out}` "
-                               "continues the run")
-        role = self.services.vllm_role
-        role = dataclasses.replace(role, config=dataclasses.replace(role.config, port=url.port),
-                                   log_path=str(Path(role.log_path).with_name(f"vllm-restart{self.server_restarts}.log")))
+        if not await asyncio.to_thread(_stops_listening, slot.endpoint, 60.0):
+            raise RuntimeError(f"{why}, but something still listens at {slot.endpoint} 60 s later: {resume}")
+        role = role_at_endpoint(slot.role, slot.endpoint, f"restart{done + 1}")
         try:
-            new = self._replace_slot(slot, "inference")
+            new = self._replace_slot(slot, kind)
             await asyncio.to_thread(new.start, role)
         except (RuntimeError, TimeoutError, OSError) as err:  # no node takes it, or it does not start
-            raise RuntimeError(f"{why}, and it could not be started again: {err}\n`agentrl train --resume {self.out}` "
-                               "continues the run") from err
+            raise RuntimeError(f"{why}, and it could not be started again: {err}\n{resume}") from err
         if new.endpoint != slot.endpoint:
-            raise RuntimeError(f"{why}; started again at {new.endpoint}, not its URL {slot.endpoint}")
-        self.services.vllm_server = new
-        self.say(f"vLLM server: {new.endpoint}{new.where} again (pid {new.pid})")
+            new.stop()
+            raise RuntimeError(f"{why}; started again at {new.endpoint}, not at {slot.endpoint}: {resume}")
+        self.say(f"{'vLLM server' if server else 'tool service ' + slot.name}: {new.endpoint}{new.where} again (pid {new.pid})")
+        return new
 
     def _replace_slot(self, slot, kind: str = "learner"):
         """Where a died process of `slot` starts again: the same place while its host is there (its
@@ -685,7 +681,8 @@ class Supervisor:
         # lines of steps its successor redoes or never reaches.
         checkpoints = checkpoint_dirs(self.out / "rl" / "checkpoints")
         last_version = checkpoint_step(checkpoints[-1]) if checkpoints else first_version
-        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "server_restarts": self.server_restarts,
+        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "server_restarts": self.restarts["inference"],
+                                "tool_restarts": self.restarts["tools"],
                                 "learner_rc": learner.poll(), "actor_rc": actor.poll(),
                                 "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
                                 "first_version": first_version, "last_version": last_version})
@@ -869,18 +866,20 @@ def resolve_args(args: argparse.Namespace):
     return load_run_config(args.config, sets)
 
 
-def _stops_answering(url: str, timeout_s: float) -> bool:
-    """Whether `url`/health stops answering within `timeout_s` (a restarted server must not find its
-    predecessor on its port, nor take its answers for its own)."""
-    import urllib.error
-    import urllib.request
+def _stops_listening(endpoint: str, timeout_s: float) -> bool:
+    """Whether nothing accepts TCP connections at `endpoint` (http://HOST:PORT or tcp://HOST:PORT)
+    within `timeout_s`: a service started again must not find its predecessor on its port (a lost
+    node's processes go with its watchdog, seconds later), nor take its answers for its own."""
+    import socket
+    from urllib.parse import urlsplit
 
+    url = urlsplit(endpoint.replace("tcp://", "http://", 1))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
+            with socket.create_connection((url.hostname, url.port), timeout=2):
                 pass
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except OSError:
             return True
         time.sleep(0.5)
     return False
@@ -1016,6 +1015,7 @@ def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: floa
         "optimizer_steps": rl_metrics.get("step", sft.get("steps_done", 0)),
         "learner_restarts": rl.get("learner_restarts", 0),
         "server_restarts": rl.get("server_restarts", 0),
+        "tool_restarts": rl.get("tool_restarts", 0),
         "minutes": round((time.time() - started) / 60, 2),
         "minutes_after_setup": round((time.time() - started - supervisor.setup_s - supervisor.diagnostic_s) / 60, 2),
         "setup_minutes": round(supervisor.setup_s / 60, 2),

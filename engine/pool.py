@@ -9,8 +9,9 @@ regenerated whole, so the ids, log-probs and versions recorded all come from the
 answered. After `max_attempts`, or with no live server left (after waiting `no_server_wait_s` for
 one to come back), the error is raised to the episode runner, which marks the episode failed
 (never dropped silently).
-A server that rejects a request (`InferenceServerError`, e.g. a prompt too long) is not retried:
-another server would reject it too.
+A server that rejects a request (`InferenceServerError`, a 4xx answer, e.g. a prompt too long) is
+not retried: another server would reject it too. A 5xx answer is the server failing (vLLM answers
+500 while its engine is dead) and is handled like a lost connection.
 
 A background probe (owned by the pool, cancelled by `close`) checks dead servers' /health every
 `probe_interval_s` and puts them back when they answer.

@@ -14,6 +14,7 @@ the host's own plus `env`; secrets travel in `env` or in files, never on the com
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -112,6 +113,21 @@ def start_role(role: Role, host: str) -> Running:
     return Running(role.name, proc, line.split(" ", 1)[1].strip())
 
 
+def role_at_endpoint(role: Role, endpoint: str, label: str) -> Role:
+    """`role` to be started again at the `endpoint` it had (its port fixed instead of one the OS
+    picks, the host's address still filled in where it starts), logging to NAME-LABEL.log."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(endpoint.replace("tcp://", "http://", 1)).port
+    stem = re.sub(r"-restart\d+$", "", Path(role.log_path).stem)  # started again before: the first name
+    log_path = str(Path(role.log_path).with_name(f"{stem}-{label}.log"))
+    if isinstance(role, VLLMRole):
+        return replace(role, config=replace(role.config, port=port), log_path=log_path)
+    fixed = "tcp://{host}:" + str(port)
+    argv = tuple(arg.replace("tcp://{host}:*", fixed).replace("{bind}", fixed) for arg in role.argv)
+    return replace(role, argv=argv, log_path=log_path)
+
+
 def agentrl_argv(*args: str) -> tuple[str, ...]:
     """`python -P -m agentrl.cli ARGS` with this interpreter (the same path on every host of a cluster)."""
     return (sys.executable, "-P", "-m", "agentrl.cli", *args)
@@ -131,6 +147,8 @@ class LocalSlot:
     def __init__(self, name: str, host: str):
         self.name, self.host = name, host
         self.running: Running | None = None
+        self.role: Role | None = None
+        """What it was last started with (a service that died is started again from it)."""
 
     def free_endpoint(self) -> str:
         from agentrl.engine.serve import free_port
@@ -140,6 +158,7 @@ class LocalSlot:
     def start(self, role: Role) -> LocalSlot:
         if self.running is not None and self.running.poll() is None:
             raise RuntimeError(f"{self.name}: already running (pid {self.running.pid})")
+        self.role = role
         self.running = start_role(role, self.host)
         return self
 

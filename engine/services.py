@@ -92,6 +92,10 @@ class ServicesConfig:
     """How a vLLM server started here serves (not used with `vllm` URLs)."""
     max_learner_restarts: int = 3
     """A learner that dies is restarted (it resumes from its checkpoint) at most this many times."""
+    max_tool_restarts: int = 10
+    """Tool service processes this run started that die are started again at their endpoints, at
+    most this many times in all (their calls go to other replicas, or fail as tool errors the model
+    sees, meanwhile); one more death stops the run."""
     max_server_restarts: int = 3
     """A vLLM server this run started that dies is started again at its URL at most this many times
     (the learner pushes it the latest weights when it answers; episodes that needed it meanwhile fail
@@ -113,8 +117,9 @@ class ServicesConfig:
             raise ValueError(f"search_replicas: {self.search_replicas} must be >= 1")
         if self.max_learner_restarts < 0:
             raise ValueError(f"max_learner_restarts: {self.max_learner_restarts} must be >= 0")
-        if self.max_server_restarts < 0:
-            raise ValueError(f"max_server_restarts: {self.max_server_restarts} must be >= 0")
+        if self.max_server_restarts < 0 or self.max_tool_restarts < 0:
+            raise ValueError(f"max_server_restarts ({self.max_server_restarts}) and max_tool_restarts "
+                             f"({self.max_tool_restarts}) must be >= 0")
 
 
 def _check_endpoint(endpoint: str, key: str) -> None:
@@ -270,8 +275,6 @@ class Services:
     """In-process tools (functions, MCP servers), built in each process that connects."""
     procs: list = field(default_factory=list)
     vllm_server: object | None = None
-    vllm_role: object | None = None
-    """The `engine.roles.VLLMRole` the server was started with (a restart starts it again)."""
     vllm_model: str = ""
     """The `model` requests to the servers name: the policy adapter's name when they serve it with
     vLLM's LoRA path (`vllm_server.lora = "vllm"`); empty: the servers' base model."""
@@ -379,8 +382,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             slot = launcher.place("vllm", "inference")
             services.vllm_server = slot
             say(f"starting vLLM server (log {logs / 'vllm.log'}) ...")
-            services.vllm_role = VLLMRole("vllm", server_config, str(logs / "vllm.log"), control_token)
-            await asyncio.to_thread(slot.start, services.vllm_role)
+            await asyncio.to_thread(slot.start, VLLMRole("vllm", server_config, str(logs / "vllm.log"), control_token))
             say(f"vLLM server: {slot.endpoint}{slot.where} (pid {slot.pid})")
             services.vllm_urls = [slot.endpoint]
     except BaseException:

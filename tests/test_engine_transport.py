@@ -198,6 +198,8 @@ async def http_server():
                                 headers={"Connection": "close"})
         if kind == 4:
             return web.json_response({"error": "prompt too long"}, status=400)
+        if kind == 7:  # what vLLM answers while its engine is dead
+            return web.json_response({"error": {"message": "EngineCore encountered an issue."}}, status=500)
         if kind == 6:
             stray = answer([999], [(0, 1, "999")])
             stray_head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(stray)}\r\n\r\n"
@@ -251,6 +253,9 @@ async def test_client_separates_rejections_from_unavailability():
         assert not isinstance(rejected.value, InferenceServerUnavailable)
         with pytest.raises(InferenceServerUnavailable, match="closed the connection"):
             await client.generate([5, 1], SamplingParams(max_tokens=2))
+        # A 5xx is the server failing, not the request: unavailable (the pool asks /health, retries).
+        with pytest.raises(InferenceServerUnavailable, match="HTTP 500.*EngineCore"):
+            await client.generate([7, 1], SamplingParams(max_tokens=2))
         # The client is still usable afterwards.
         assert (await client.generate([1, 5], SamplingParams(max_tokens=1))).token_ids == [5]
         # Bytes arriving on an idle connection are never read as a later request's answer.

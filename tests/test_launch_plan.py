@@ -94,3 +94,19 @@ def test_services_say_which_of_their_processes_exited(tmp_path):
         assert services.exited() == [(slots[1], -9)]
     finally:
         services.stop()
+
+
+def test_a_role_started_again_keeps_its_endpoint_and_logs_beside_the_first():
+    from agentrl.engine.roles import CommandRole, VLLMRole, role_at_endpoint
+    from agentrl.engine.serve import VLLMServerConfig
+
+    tool = CommandRole("tool-search-1", ("python", "-m", "agentrl.cli", "toolserver", "search", "--bind", "tcp://{host}:*"),
+                       "/run/logs/tool-search-1.log", ready_prefix="READY ")
+    again = role_at_endpoint(tool, "tcp://10.0.0.7:41234", "restart1")
+    assert again.argv[-1] == "tcp://{host}:41234" and again.log_path == "/run/logs/tool-search-1-restart1.log"
+    assert role_at_endpoint(again, "tcp://10.0.0.7:41234", "restart2").log_path == "/run/logs/tool-search-1-restart2.log"
+    command = CommandRole("tools[0]", ("./serve.sh", "--endpoint", "{bind}"), "/run/logs/tool-command0-0.log")
+    assert role_at_endpoint(command, "tcp://10.0.0.7:5555", "restart1").argv[-1] == "tcp://{host}:5555"
+    server = VLLMRole("vllm", VLLMServerConfig(), "/run/logs/vllm.log")
+    again = role_at_endpoint(server, "http://10.0.0.7:8123", "restart1")
+    assert again.config.port == 8123 and again.log_path == "/run/logs/vllm-restart1.log" and server.config.port is None

@@ -240,16 +240,18 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_a_lost_inference_node_s_server_starts_again_on_another_node_and_with_none_left_the_run_stops(tmp_path):
-    """The server's node is removed mid-RL: the server starts again at its URL on the other inference
-    node (same address here), the learner pushes it the latest weights and training goes on; then
-    that node is removed too, and with no inference node left the run stops, saying which server,
-    where, and how to continue, rather than fail every episode until its budget ends."""
+def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_with_none_left_the_run_stops(tmp_path):
+    """The server's node and a tools node are removed mid-RL: the server starts again at its URL on the
+    other inference node (same address here), the learner pushes it the latest weights, the search
+    replica of the lost tools node starts again at its endpoint on the other tools node, and
+    training goes on; then the second inference node is removed too, and with no inference node left
+    the run stops, saying which server, where, and how to continue, rather than fail every episode
+    until its budget ends."""
     import threading
 
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "inference2": {"agentrl_inference": 1},
                                "learner": {"agentrl_learner": 1}, "tools": {"agentrl_tools": 2},
-                               "actor": {"agentrl_actor": 1}})
+                               "tools2": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
     config = tmp_path / "ray.toml"
     config.write_text(CONFIG)
     out = tmp_path / "run"
@@ -270,10 +272,17 @@ def test_a_lost_inference_node_s_server_starts_again_on_another_node_and_with_no
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not _metric_lines(metrics):
                 time.sleep(1.0)
+            replicas = {line.split()[2] + line.split()[3]: line.split()[4] for line in lines
+                        if line.startswith("tool service search #") and f"on node {nodes['tools'].node_id[:12]}" in line}
+            assert replicas, "no search replica on the tools node:\n" + "\n".join(lines)  # SPREAD: one on each
             cluster.remove_node(nodes[first])
+            cluster.remove_node(nodes["tools"])
             _wait_line(lines, f"the vLLM server on node {nodes[first].node_id[:12]}", proc, 60)
             again = _wait_line(lines, f"vLLM server: {url} on node {nodes[other].node_id[:12]}", proc, 300)
             assert " again (pid " in again
+            for name, endpoint in replicas.items():  # "search#1:" -> tool-search-1
+                slot = "tool-search-" + name.removeprefix("search#").rstrip(":")
+                _wait_line(lines, f"tool service {slot}: {endpoint} on node {nodes['tools2'].node_id[:12]}", proc, 120)
             assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
             trained = len(_metric_lines(metrics))
             deadline = time.monotonic() + 300

@@ -119,7 +119,8 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     )
     reader = LineReader(proc.stdout)
     try:
-        replica = _pid(reader.wait_for("tool service search #1", 120))
+        replica_line = reader.wait_for("tool service search #1", 120)
+        replica, replica_endpoint = _pid(replica_line), replica_line.split()[4]
         server = _pid(reader.wait_for("vLLM server: ", 600))
         learner = _pid(reader.wait_for("started learner-rl", 900))
         metrics = out / "rl" / "metrics.jsonl"
@@ -132,6 +133,8 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
         os.killpg(server, signal.SIGKILL)  # the vLLM server's whole process group: started again at its URL
         url = reader.wait_for("vLLM server: ", 1).split()[2]
         reader.wait_for("the vLLM server exited with -9", 60)
+        # The replica too, at its endpoint (its clients probe it and take it back).
+        assert _pid(reader.wait_for(f"tool service tool-search-1: {replica_endpoint} again", 120)) != replica
         assert _pid(reader.wait_for(f"vLLM server: {url} again", 180)) != server
         reader.wait_for("learner exited with", 60)
         reader.wait_for("started learner-rl", 60)

@@ -15,9 +15,9 @@ Content-Length body; answers with Content-Length or chunked bodies; `Connection:
 The pool allows `max_connections` concurrent requests (default 8192: the orchestrator keeps
 thousands of episodes in flight and each holds at most one request); further requests wait for a
 connection. Requests have a connect timeout (a dead server is reported in seconds, not after the
-request timeout) and a total timeout. A connection refused, a reset mid-request or a timeout raises
-`InferenceServerUnavailable`; the server rejecting a request raises `InferenceServerError` with its
-message. Neither is retried here: retrying on another server is the server pool's decision (a
+request timeout) and a total timeout. A connection refused, a reset mid-request, a timeout or a 5xx
+answer (the server failed, e.g. its engine died) raises `InferenceServerUnavailable`; the server
+rejecting a request (4xx) raises `InferenceServerError` with its message. Neither is retried here: retrying on another server is the server pool's decision (a
 keep-alive connection the server closed while idle is one such transient failure).
 
 Policy versions are ints. The server labels weights with strings; agentrl always sets the decimal
@@ -303,7 +303,10 @@ class VLLMClient:
                 if conn.transport is not None:
                     conn.transport.close()
         if status >= 400:
-            raise InferenceServerError(f"{method} {self.base_url}{path} -> HTTP {status}: {data[:500].decode(errors='replace')}")
+            # 5xx: the server failed, not the request (vLLM answers 500 while its engine is dead, e.g.
+            # its node going away): the pool asks /health whether to take the server out, and retries.
+            error = InferenceServerUnavailable if status >= 500 else InferenceServerError
+            raise error(f"{method} {self.base_url}{path} -> HTTP {status}: {data[:500].decode(errors='replace')}")
         return data
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, *, return_text: bool = False) -> Generation:

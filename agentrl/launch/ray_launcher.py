@@ -109,6 +109,8 @@ class RaySlot:
         self.log_path = log_path
         self.lost = False
         self.released = False
+        self.role: Role | None = None
+        """What it was last started with (a service that died is started again from it)."""
         self.where = f" on node {node_id[:12]} ({host})"
 
     def _call(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
@@ -126,6 +128,7 @@ class RaySlot:
             role = replace(role, cwd=os.getcwd())
         timeout_s = getattr(role, "timeout_s", getattr(role, "ready_timeout_s", 120.0)) + CALL_TIMEOUT_S
         self.log_path = Path(role.log_path)
+        self.role = role
         self.pid, self.endpoint = self._call("start", role, timeout_s=timeout_s)
         return self
 
