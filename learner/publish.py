@@ -81,7 +81,8 @@ class WeightPublisher:
     Per-server isolation: a push that fails on one server (unreachable, timed out, refused) marks
     that server down (logged, counted in `num_push_failures`); the others still get the weights and
     `served_version` is the oldest version among the servers that are up. The latest weights file
-    is kept (one file in /dev/shm, replaced by each push), and every `probe_interval_s` the
+    is kept (one file in /dev/shm, replaced by each push: a push's size of shared memory for as long
+    as the learner runs), and every `probe_interval_s` the
     publisher asks each down server for its version; one that answers is pushed the latest weights
     and is up again. A down server is also asked before each new push, and joins it if it answers.
     The servers that are up are asked too: one that serves a version below the one it was pushed

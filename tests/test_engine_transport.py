@@ -159,6 +159,12 @@ async def test_versions_reach_a_late_subscriber():
 # ------------------------------------------------------------------ inference client over HTTP/1.1
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def answer(ids: list[int], spans: list[tuple[int, int, str]]) -> bytes:
     choice = {"token_ids": ids, "finish_reason": "stop",
               "logprobs": {"content": [{"token_id": i, "logprob": -0.1 * i, "top_logprobs": []} for i in ids]},
@@ -167,7 +173,7 @@ def answer(ids: list[int], spans: list[tuple[int, int, str]]) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def http_server():
+async def http_server(port: int | None = None):
     """A real HTTP server whose answer to /inference/v1/generate depends on the first prompt id:
     1 -> Content-Length answer, 2 -> chunked answer in pieces, 3 -> Connection: close, 4 -> HTTP 400,
     5 -> the connection is cut after half the headers, 6 -> a normal answer, then an unsolicited
@@ -210,13 +216,15 @@ async def http_server():
         request.transport.abort()
         return web.Response()  # goes nowhere: the connection is gone
 
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
     app = web.Application()
     app.router.add_post("/inference/v1/generate", generate)
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = port or _free_port()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
@@ -270,3 +278,25 @@ async def test_client_separates_rejections_from_unavailability():
         with pytest.raises(InferenceServerUnavailable, match="ConnectionRefused"):
             await client.generate([1, 2], SamplingParams(max_tokens=2))
         assert not await client.health()
+
+
+async def test_a_request_waits_for_a_restarting_server_within_the_pools_wait():
+    """With every server down, a request waits up to `no_server_wait_s` for one to answer again (the
+    run starting it again at its URL) instead of failing its episode at once."""
+    from agentrl.engine.pool import ServerPool
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with ServerPool([url], probe_interval_s=0.2, no_server_wait_s=20.0) as pool:
+        async def restart_later():
+            await asyncio.sleep(1.0)
+            return http_server(port)
+
+        later = asyncio.create_task(restart_later())
+        request = asyncio.create_task(pool.generate([1, 9], SamplingParams(max_tokens=2)))
+        async with await later:
+            generation = await asyncio.wait_for(request, 20)
+        assert generation.token_ids == [9, 10] and pool.num_retries >= 1
+    async with ServerPool([url], probe_interval_s=0.2, no_server_wait_s=0.0) as pool:  # no wait: fails at once
+        with pytest.raises(InferenceServerUnavailable, match="no live inference server"):
+            await pool.generate([1, 9], SamplingParams(max_tokens=2))
