@@ -220,15 +220,16 @@ class Supervisor:
 
     def _served_adapter(self) -> Path | None:
         """With vLLM's own LoRA path (`services.vllm_server.lora = "vllm"`): the adapter the server
-        starts with, all zeros (the base model's outputs until the first push), written once into
-        RUN_DIR/adapters/initial; None otherwise."""
+        starts with, all zeros (the base model's outputs until the first push), written into
+        RUN_DIR/adapters/initial at each start (an absolute path: a server on another host reads it
+        from the shared run directory); None otherwise."""
         cfg = self.config
         if cfg.services.vllm_server.lora != "vllm":
             return None
         from agentrl.common.adapters import identity_adapter, peft_adapter_config, write_peft_folder
         from agentrl.learner.lora import lora_layer_indices, model_layer_modules
 
-        lora, folder = cfg.learner.trainer.lora, self.out / "adapters" / "initial"
+        lora, folder = cfg.learner.trainer.lora, (self.out / "adapters" / "initial").resolve()
         layers = lora_layer_indices(model_layer_modules(self.model_dir)[1], cfg.learner.trainer.train_layers)
         tensors = identity_adapter(Path(self.model_dir), lora.rank, list(lora.target_modules), layers)
         return write_peft_folder(folder, tensors, peft_adapter_config(lora.rank, lora.alpha, list(lora.target_modules),
@@ -338,18 +339,18 @@ class Supervisor:
         self.say(f"{why}; starting it again at {slot.endpoint} (restart {done + 1}); "
                  + ("episodes wait for it, then the learner pushes it the latest weights" if server else
                     "its calls go to its other replicas, or fail as tool errors the model sees, until it answers"))
-        await asyncio.to_thread(slot.stop)  # what is left of its process group
-        if not await asyncio.to_thread(_stops_listening, slot.endpoint, 60.0):
-            raise RuntimeError(f"{why}, but something still listens at {slot.endpoint} 60 s later: {resume}")
-        role = role_at_endpoint(slot.role, slot.endpoint, f"restart{done + 1}")
+        endpoint = slot.endpoint
+        if not await asyncio.to_thread(_stops_listening, endpoint, 60.0):  # a lost node's processes: its watchdog's
+            raise RuntimeError(f"{why}, but something still listens at {endpoint} 60 s later: {resume}")
+        role = role_at_endpoint(slot.role, endpoint, f"restart{done + 1}")
         try:
-            new = self._replace_slot(slot, kind)
+            new = self._replace_slot(slot, kind)  # the same slot while its host is there (its start clears what is left)
             await asyncio.to_thread(new.start, role)
         except (RuntimeError, TimeoutError, OSError) as err:  # no node takes it, or it does not start
             raise RuntimeError(f"{why}, and it could not be started again: {err}\n{resume}") from err
-        if new.endpoint != slot.endpoint:
-            new.stop()
-            raise RuntimeError(f"{why}; started again at {new.endpoint}, not at {slot.endpoint}: {resume}")
+        if new.endpoint != endpoint:
+            await asyncio.to_thread(new.stop)
+            raise RuntimeError(f"{why}; started again at {new.endpoint}, not at {endpoint}: {resume}")
         self.say(f"{'vLLM server' if server else 'tool service ' + slot.name}: {new.endpoint}{new.where} again (pid {new.pid})")
         return new
 
@@ -376,8 +377,7 @@ class Supervisor:
         self.setup_s = time.monotonic() - t0
         self.deadline = time.monotonic() + cfg.minutes * 60
         async with Connections(self.services.vllm_urls, self.services.remote, self.model_dir, cfg.env,
-                               self.services.local, model=self.services.vllm_model or None,
-                               server_wait_s=cfg.orchestrator.server_wait_s) as conn, contextlib.AsyncExitStack() as stack:
+                               self.services.local, model=self.services.vllm_model or None) as conn, contextlib.AsyncExitStack() as stack:
             self.conn = conn
             if cfg.agent.enabled:  # held-out evaluations run the agent program, greedy, through a gateway of this process
                 from agentrl.gateway.agents import agent_episodes

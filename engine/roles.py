@@ -158,6 +158,8 @@ class LocalSlot:
     def start(self, role: Role) -> LocalSlot:
         if self.running is not None and self.running.poll() is None:
             raise RuntimeError(f"{self.name}: already running (pid {self.running.pid})")
+        if self.running is not None:  # started again: what its dead predecessor left in its group goes first
+            self.running.stop(10.0)
         self.role = role
         self.running = start_role(role, self.host)
         return self

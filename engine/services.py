@@ -98,8 +98,8 @@ class ServicesConfig:
     sees, meanwhile); one more death stops the run."""
     max_server_restarts: int = 3
     """A vLLM server this run started that dies is started again at its URL at most this many times
-    (the learner pushes it the latest weights when it answers; episodes that needed it meanwhile fail
-    and are counted); one more death stops the run."""
+    (the learner pushes it the latest weights when it answers; episodes wait for it meanwhile,
+    `orchestrator.server_wait_s`); one more death stops the run."""
     python: SandboxConfig = field(default_factory=SandboxConfig)
     """The python tool's sandboxes and limits (sandbox count, memory, processes, CPU, timeouts),
     for the python service started here."""

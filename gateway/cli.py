@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="for the vLLM server the gateway starts (auto: bf16 where the device runs it natively, else float32)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="for the vLLM server the gateway starts")
     p.add_argument("--vllm-log", default=None, help="log file of the vLLM server the gateway starts")
+    p.add_argument("--adapter", default=None, metavar="NAME",
+                   help="the LoRA adapter the --vllm servers serve the policy as (vLLM's LoRA path; agentrl's runs name it "
+                        "'policy'): every request names it")
     return p
 
 
@@ -96,7 +99,7 @@ def main(argv: list[str]) -> int:
             print(f"starting vLLM server (log {server.log_path})", file=sys.stderr, flush=True)
             urls = [server.start()]
             print(f"started vLLM server pid {server.pid} at {urls[0]}", file=sys.stderr, flush=True)
-        serve = _serve(config, model_dir, urls, args.chat_template)
+        serve = _serve(config, model_dir, urls, args.chat_template, args.adapter)
         if args.event_loop == "uvloop":
             import uvloop
 
@@ -110,7 +113,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-async def _serve(config, model_dir: str, urls: list[str], chat_template: str | None) -> None:
+async def _serve(config, model_dir: str, urls: list[str], chat_template: str | None, adapter: str | None = None) -> None:
     from transformers import AutoTokenizer
 
     from agentrl.engine.pool import ServerPool
@@ -123,7 +126,7 @@ async def _serve(config, model_dir: str, urls: list[str], chat_template: str | N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with ServerPool(urls) as pool:
+    async with ServerPool(urls, model=adapter) as pool:
         gateway = Gateway(config, tokenizer, pool, model_dir=model_dir)
         base_url = await gateway.start()
         print(base_url, flush=True)

@@ -30,7 +30,13 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentrl.common.adapters import LORA_KEY, PEFT_PREFIX, peft_adapter_config, write_peft_folder
+from agentrl.common.adapters import (
+    LORA_KEY,
+    PEFT_PREFIX,
+    model_shapes,
+    peft_adapter_config,
+    write_peft_folder,
+)
 from agentrl.learner.trainer_config import LoraConfig
 
 if TYPE_CHECKING:
@@ -115,18 +121,10 @@ def write_adapter_folder(folder: Path, adapter: dict[str, torch.Tensor], lora: L
     return write_peft_folder(folder, adapter, config)
 
 
-def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor shapes from a safetensors file's header (numpy framework: no torch, no tensor read)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
-        return {k: f.get_slice(k).get_shape() for k in f.keys()}
-
-
 def model_layer_modules(model_dir: str | Path) -> tuple[set[str], int]:
     """(the module names of the model's decoder layers that hold a 2-D `weight`, e.g. "q_proj";
     the number of decoder layers), read from the safetensors headers."""
-    shapes = {n: s for f in sorted(Path(model_dir).glob("*.safetensors")) for n, s in _safetensors_shapes(f).items()}
+    shapes = model_shapes(Path(model_dir))
     modules, layers = set(), set()
     for name, shape in shapes.items():
         found = _LAYER.search(name)

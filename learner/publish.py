@@ -81,8 +81,9 @@ class WeightPublisher:
     Per-server isolation: a push that fails on one server (unreachable, timed out, refused) marks
     that server down (logged, counted in `num_push_failures`); the others still get the weights and
     `served_version` is the oldest version among the servers that are up. The latest weights file
-    is kept (one file in /dev/shm, replaced by each push: a push's size of shared memory for as long
-    as the learner runs), and every `probe_interval_s` the
+    is kept (one file in /dev/shm, removed before the next push is written unless a server still
+    waits for it: a push's size of shared memory for as long as the learner runs), and every
+    `probe_interval_s` the
     publisher asks each down server for its version; one that answers is pushed the latest weights
     and is up again. A down server is also asked before each new push, and joins it if it answers.
     The servers that are up are asked too: one that serves a version below the one it was pushed
@@ -118,7 +119,7 @@ class WeightPublisher:
         self._task: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._latest: tuple[int, Path] | None = None
-        """(version, weights file) of the latest push, kept while a server is down."""
+        """(version, weights file) of the latest push, for a server that comes back (class docstring)."""
         self.versions: dict[str, int] = {}
         """base URL -> the version it serves, for the servers that are up."""
         self.down: dict[str, str] = {}
@@ -154,6 +155,9 @@ class WeightPublisher:
         t0 = time.perf_counter()
         self._num_pushes += 1
         recompute_kv = self._num_pushes % self.kv_refresh_every == 0
+        if not self.down and self._latest is not None:  # nobody waits for the previous file: one in shared memory
+            self._latest[1].unlink(missing_ok=True)
+            self._latest = None
         path = await asyncio.to_thread(write_weights, snapshot, None, self.metadata)
         write_s = time.perf_counter() - t0
         self._set_latest(version, path)
@@ -171,7 +175,7 @@ class WeightPublisher:
             failed={url: self.down[url] for url in self.server_urls if url in self.down},
         )
         self.num_recoveries += sum(url in down and url not in self.down for url in targets)
-        self._after_pushes()
+        self._update_served()
         self.reports.append(report)
         return report
 
@@ -191,7 +195,7 @@ class WeightPublisher:
             log.warning("weight publisher: %s answer again; pushing them version %d", back, version)
             await asyncio.gather(*(self._push_one(url, path, version, True) for url in back))
             self.num_recoveries += sum(url not in self.down for url in back)
-        self._after_pushes()
+        self._update_served()
 
     async def _push_one(self, url: str, path: Path, version: int, recompute_kv: bool):
         from agentrl.common.weights import WeightPushError, push_weights
@@ -231,9 +235,6 @@ class WeightPublisher:
             self._latest[1].unlink(missing_ok=True)
         self._latest = (version, path)
 
-    def _after_pushes(self) -> None:
-        self._update_served()
-
     def _update_served(self) -> None:
         if self.versions:  # none up: keep the last value (nothing serves anything newer)
             self.served_version = min(self.versions.values())
@@ -252,9 +253,16 @@ class WeightPublisher:
 
     async def wait(self) -> PushReport | None:
         """Wait for the push in flight (if any); re-raises its failure (a failure of this side, such
-        as the weights file write; a server's failure only marks it down)."""
-        task, self._task = self._task, None
-        return await task if task is not None else None
+        as the weights file write; a server's failure only marks it down). The task stays `_task`
+        until it is done, so that the recovery watch never starts a push beside it."""
+        task = self._task
+        if task is None:
+            return None
+        try:
+            return await task
+        finally:
+            if self._task is task:
+                self._task = None
 
     async def close(self, timeout_s: float = 60.0) -> None:
         if self._watcher is not None:

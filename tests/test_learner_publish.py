@@ -113,6 +113,9 @@ class _ServerState:
     version: str = "default"
     staged: str | None = None
     pushes: list[str] = field(default_factory=list)
+    busy_s: float = 0.0
+    """How long a stage takes, during which /weight_info does not answer either (a busy server)."""
+    busy: bool = False
 
 
 @contextlib.asynccontextmanager
@@ -128,6 +131,9 @@ async def weight_server(port: int | None = None):
             if not Path(body["args"][0]).is_file():
                 return web.json_response({"results": [{"ok": False, "error": f"no file {body['args'][0]}"}]})
             state.staged = body["args"][0]
+            state.busy = True
+            await asyncio.sleep(state.busy_s)
+            state.busy = False
             return web.json_response({"results": [{"ok": True, "stage_s": 0.0}]})
         return web.json_response({"results": [{"ok": True, "reload_s": 0.0}]})
 
@@ -140,6 +146,8 @@ async def weight_server(port: int | None = None):
         return web.json_response({})
 
     async def info(request: web.Request) -> web.Response:
+        while state.busy:
+            await asyncio.sleep(0.05)
         return web.json_response({"weight_version": state.version})
 
     app = web.Application()
@@ -205,7 +213,7 @@ async def test_a_server_restarted_between_two_pushes_is_pushed_the_latest_weight
     the servers that are up too, and pushes the latest weights to one that went back."""
     monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
     async with weight_server() as (url, server):
-        publisher = WeightPublisher([url], probe_timeout_s=2.0, probe_interval_s=0.2)
+        publisher = WeightPublisher([url], probe_timeout_s=0.3, probe_interval_s=0.2)
         await publisher.probe()
         await publisher.publish(5, {"w": torch.full((2,), 5.0)})
         await publisher.wait()
@@ -216,6 +224,16 @@ async def test_a_server_restarted_between_two_pushes_is_pushed_the_latest_weight
         await _until(lambda: server.pushes == ["5", "5"])
         await _until(lambda: url not in publisher.down and publisher.versions == {url: 5})
         assert server.version == "5" and publisher.num_recoveries == 1 and publisher.served_version == 5
+        # A push that keeps the server busy longer than a version query may take: it is pushed once,
+        # stays up, and only the latest push's file is kept. (This does not pin the race the watch's
+        # idle check prevents, a recovery beside a push in flight: that needs a server answering at
+        # the right moment; see WeightPublisher.wait.)
+        server.busy_s = 1.0
+        await publisher.publish(6, {"w": torch.full((2,), 6.0)})
+        await publisher.wait()
+        await asyncio.sleep(0.6)
+        assert server.pushes == ["5", "5", "6"] and not publisher.down
+        assert len(list(tmp_path.glob("agentrl-weights-*/*"))) == 1  # the latest push's file only
         await publisher.close()
         assert not list(tmp_path.glob("agentrl-weights-*/*"))
 

@@ -95,16 +95,24 @@ def adapter_folder_rank(folder: Path) -> int:
     return rank
 
 
-def identity_adapter(model_dir: Path, rank: int, target_modules: list[str], layers: list[int]) -> dict:
-    """An adapter of `rank` on `target_modules` of `layers` whose A and B are zeros (float32 numpy,
-    peft file names): served, it changes nothing. Shapes from the model folder's safetensors headers."""
-    import numpy as np
+def model_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """Every tensor's shape in a model folder's safetensors files, from their headers (no tensor read,
+    no torch)."""
     from safetensors import safe_open
 
     shapes = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="numpy") as f:
             shapes |= {k: f.get_slice(k).get_shape() for k in f.keys()}
+    return shapes
+
+
+def identity_adapter(model_dir: Path, rank: int, target_modules: list[str], layers: list[int]) -> dict:
+    """An adapter of `rank` on `target_modules` of `layers` whose A and B are zeros (float32 numpy,
+    peft file names): served, it changes nothing. Shapes from the model folder's safetensors headers."""
+    import numpy as np
+
+    shapes = model_shapes(model_dir)
     out = {}
     for name, shape in shapes.items():
         parts = name.split(".")
@@ -146,10 +154,10 @@ def adapter_scaling(metadata: dict[str, str] | None) -> float | None:
     return scaling
 
 
-def adapter_pairs(weights: dict, adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """module -> (A, B) of an adapter checked against the model's `weights` (checkpoint names; only
-    their shapes are read). ValueError names what does not fit: a name that is no LoRA tensor, an A
-    without its B, a module the model lacks, shapes that do not match the weight."""
+def adapter_pairs(shapes: dict[str, tuple[int, ...]], adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """module -> (A, B) of an adapter checked against the model's weight `shapes` (checkpoint names).
+    ValueError names what does not fit: a name that is no LoRA tensor, an A without its B, a module
+    the model lacks, shapes that do not match the weight."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in adapter.items():
         match = LORA_KEY.match(key.removeprefix(PEFT_PREFIX))
@@ -161,9 +169,9 @@ def adapter_pairs(weights: dict, adapter: dict[str, torch.Tensor]) -> dict[str, 
         name = f"{module}.weight"
         if set(pair) != {"A", "B"}:
             raise ValueError(f"the adapter of {module} has lora_{''.join(pair)} only")
-        if name not in weights:
+        if name not in shapes:
             raise ValueError(f"an adapter for {module}, which the model does not have")
-        shape, a, b = tuple(weights[name].shape), pair["A"], pair["B"]
+        shape, a, b = tuple(shapes[name]), pair["A"], pair["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape[1] or b.shape[0] != shape[0] or a.shape[0] != b.shape[1]:
             raise ValueError(f"the adapter of {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit its weight "
                              f"{shape}")
@@ -176,7 +184,7 @@ def merge_adapter(weights: dict[str, torch.Tensor], adapter: dict[str, torch.Ten
     arithmetic, each result in its weight's dtype); weights it does not cover are not returned.
     ValueError as `adapter_pairs`."""
     merged = {}
-    for module, (a, b) in adapter_pairs(weights, adapter).items():
+    for module, (a, b) in adapter_pairs({name: tuple(w.shape) for name, w in weights.items()}, adapter).items():
         base = weights[f"{module}.weight"]
         merged[f"{module}.weight"] = (base.float() + scaling * (b.float() @ a.float())).to(base.dtype)
     return merged

@@ -24,7 +24,7 @@ push is added to the same base. The server therefore decodes at full speed with 
 and the push carries only the adapter's bytes.
 
 A server started with vLLM's own LoRA (`--enable-lora`, agentrl's `services.vllm_server.lora =
-"vllm"`) serves the adapter instead: an adapter push is checked against the record's shapes and
+"vllm"`) serves the adapter instead: an adapter push is checked against the model folder's shapes and
 the server's `--max-lora-rank`, written as a peft folder into the worker's own weights directory,
 and the stage's answer names that folder (`lora_dir`); the pusher then reloads the adapter in place
 through vLLM's `/v1/load_lora_adapter` (agentrl.common.weights). Full-weight pushes are refused on
@@ -66,6 +66,7 @@ from agentrl.common.adapters import (
     adapter_pairs,
     adapter_scaling,
     merge_adapter,
+    model_shapes,
     peft_adapter_config,
     write_peft_folder,
 )
@@ -200,6 +201,15 @@ class WeightSwapExtension:
         self._agentrl_staged_is_delta = True
         return {"ok": True, "num_tensors": len(adapter), "stage_s": time.perf_counter() - start}
 
+    _agentrl_shape_record: dict[str, list[int]] | None = None
+
+    def _agentrl_shapes(self) -> dict[str, list[int]]:
+        """The model folder's tensor shapes (checkpoint names), from the safetensors headers: all an
+        adapter served by vLLM's LoRA path is checked against (no copy of the weights is kept)."""
+        if self._agentrl_shape_record is None:
+            self._agentrl_shape_record = model_shapes(Path(self.vllm_config.model_config.model))
+        return self._agentrl_shape_record
+
     _agentrl_adapter_dirs: list[Path] = []
     """The adapter folders this worker wrote for vLLM's LoRA path, oldest first (the last two kept)."""
     _agentrl_adapter_count = 0
@@ -212,7 +222,7 @@ class WeightSwapExtension:
         if bad:
             return {"ok": False, "error": f"refused {path}: not finite floating point: {bad[:5]}"}
         try:
-            pairs = adapter_pairs(self._agentrl_load_record(), adapter)
+            pairs = adapter_pairs(self._agentrl_shapes(), adapter)
         except ValueError as err:
             return {"ok": False, "error": f"refused {path}: {err}"}
         ranks = {a.shape[0] for a, _ in pairs.values()}

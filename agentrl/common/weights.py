@@ -247,7 +247,7 @@ async def _load_adapter(session: aiohttp.ClientSession, base_url: str, name: str
         text = await resp.text()
         if resp.status == 404:
             raise WeightPushError(f"POST {url} -> HTTP 404: the server has no runtime LoRA loading (start it with "
-                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as agentrl serve-model --lora-rank does)")
+                                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, as agentrl serve-model --lora-adapter does)")
         if resp.status >= 400:
             raise WeightPushError(f"POST {url} -> HTTP {resp.status}: {text[:500]}")
     return {"ok": True, "reload_s": time.perf_counter() - t0}

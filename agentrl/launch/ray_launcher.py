@@ -73,6 +73,8 @@ class RoleHost:
     def start(self, role: Role) -> tuple[int | None, str]:
         if self.running is not None and self.running.poll() is None:
             raise RuntimeError(f"{role.name}: already running (pid {self.running.pid})")
+        if self.running is not None:  # started again: what its dead predecessor left in its group goes first
+            self.running.stop(10.0)
         self.running = start_role(role, self.address())
         return self.running.pid, self.running.endpoint
 
@@ -122,6 +124,8 @@ class RaySlot:
         return self._call("free_endpoint")
 
     def start(self, role: Role) -> RaySlot:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
         # Paths as this driver means them: its working directory is not the host actor's.
         role = replace(role, log_path=str(Path(role.log_path).resolve()))
         if isinstance(role, CommandRole) and role.cwd is None:
@@ -129,7 +133,11 @@ class RaySlot:
         timeout_s = getattr(role, "timeout_s", getattr(role, "ready_timeout_s", 120.0)) + CALL_TIMEOUT_S
         self.log_path = Path(role.log_path)
         self.role = role
-        self.pid, self.endpoint = self._call("start", role, timeout_s=timeout_s)
+        try:
+            self.pid, self.endpoint = self._call("start", role, timeout_s=timeout_s)
+        except (RayActorError, GetTimeoutError) as err:
+            self.lost = True
+            raise RuntimeError(f"{self.name}: its host{self.where} is gone or does not answer: {err}") from err
         return self
 
     def poll(self) -> int | None:
