@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 from agentrl.common.config import ConfigError, dump_toml, layer, to_dict
+from agentrl.common.directory import DIRECTORY_FILE
 from agentrl.common.files import read_jsonl, write_atomic
 from agentrl.common.procs import ChildProcess
 from agentrl.common.watchdog import RunLock, RunLockedError
@@ -137,6 +138,9 @@ class Supervisor:
         self.learner_restarts = 0
         self.restarts = {"inference": 0, "tools": 0}
         """Services started again after they died, by kind (`_start_again`)."""
+        self.directory_path = (self.out / DIRECTORY_FILE).resolve()
+        """Where the run's services answer now (`_write_directory`)."""
+        self._learner_endpoints: list[str] = []
         # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
         self.evals: list[dict] = read_jsonl(out / "evals.jsonl") if resume else []
         self.progress = progress
@@ -217,6 +221,7 @@ class Supervisor:
                                              say=self.say, host=self.launcher.host, control_token=self.control_token,
                                              tool_keys=self.credentials.tools(), launcher=self.launcher,
                                              served_adapter=self._served_adapter())
+        self._write_directory()
 
     def _served_adapter(self) -> Path | None:
         """With vLLM's own LoRA path (`services.vllm_server.lora = "vllm"`): the adapter the server
@@ -265,6 +270,7 @@ class Supervisor:
             "mode": "sft" if phase == "sft" else "rl",
             "model_dir": self.model_dir,
             "server_urls": self.services.vllm_urls,
+            "services_file": str(self.directory_path),
             "progress_bar": False,
             "seed": self.config.seed,
         }
@@ -294,6 +300,7 @@ class Supervisor:
             "env": to_dict(cfg.env),
             "orchestrator": to_dict(cfg.orchestrator),
             "agent": to_dict(cfg.agent),
+            "services_file": str(self.directory_path),
         }
         path = self.out / "actor.toml"
         path.write_text(dump_toml(actor_cfg))
@@ -321,53 +328,75 @@ class Supervisor:
                 self.services.procs[self.services.procs.index(slot)] = await self._start_again(slot, code, "tools")
 
     async def _start_again(self, slot, code: int, kind: str):
-        """Start the vLLM server or tool service of `slot` that exited again, at the same endpoint (its
-        node's address and port), so that those who use it take it back by themselves: the actor's
-        pool and the learner's publisher probe a server (the publisher then pushes it the latest
-        weights; episodes wait for it meanwhile), a tool client probes a dead replica (its calls go
-        to the other replicas, or fail as tool errors the model sees, meanwhile). Its node lost: placed
-        on another node with the same address, else the run stops (nobody can follow a service that
-        moved yet). At most `services.max_server_restarts` / `max_tool_restarts` times in a run."""
+        """Start the vLLM server or tool service of `slot` that exited again: at the same endpoint
+        while its node is there; its node lost, on another node of its kind, at an address of that
+        node. Those who use it follow: the actor's pool and the learner's publisher probe a server
+        (the publisher then pushes it the latest weights; episodes wait for it meanwhile), a tool
+        client probes a dead replica (its calls go to the other replicas, or fail as tool errors the
+        model sees, meanwhile), and a new address reaches them through the run's service directory
+        (`_write_directory`). At most `services.max_server_restarts` / `max_tool_restarts` times in a run."""
         server = kind == "inference"
         key = "max_server_restarts" if server else "max_tool_restarts"
         limit, done = getattr(self.config.services, key), self.restarts[kind]
-        why = f"{'the vLLM server' if server else 'tool service ' + slot.name}{slot.where} exited with {code} (log {slot.log_path})"
+        what = "the vLLM server" if server else "tool service " + slot.name
+        why = f"{what}{slot.where} exited with {code} (log {slot.log_path})"
         resume = f"`agentrl train --resume {self.out}` continues the run"
         if done >= limit:
             raise RuntimeError(f"{why}, after {done} restarts (services.{key} = {limit}): {resume}")
         self.restarts[kind] = done + 1
-        self.say(f"{why}; starting it again at {slot.endpoint} (restart {done + 1}); "
+        endpoint, label = slot.endpoint, f"restart{done + 1}"
+        self.say(f"{why}; starting it again (restart {done + 1}); "
                  + ("episodes wait for it, then the learner pushes it the latest weights" if server else
                     "its calls go to its other replicas, or fail as tool errors the model sees, until it answers"))
-        endpoint = slot.endpoint
         if not await asyncio.to_thread(_stops_listening, endpoint, 60.0):  # a lost node's processes: its watchdog's
             raise RuntimeError(f"{why}, but something still listens at {endpoint} 60 s later: {resume}")
-        role = role_at_endpoint(slot.role, endpoint, f"restart{done + 1}")
         try:
             new = self._replace_slot(slot, kind)  # the same slot while its host is there (its start clears what is left)
-            await asyncio.to_thread(new.start, role)
+            moved = new is not slot
+            await asyncio.to_thread(new.start, role_at_endpoint(slot.role, None if moved else endpoint, label))
         except (RuntimeError, TimeoutError, OSError) as err:  # no node takes it, or it does not start
             raise RuntimeError(f"{why}, and it could not be started again: {err}\n{resume}") from err
         if new.endpoint != endpoint:
-            await asyncio.to_thread(new.stop)
-            raise RuntimeError(f"{why}; started again at {new.endpoint}, not at {endpoint}: {resume}")
+            if not moved:
+                await asyncio.to_thread(new.stop)
+                raise RuntimeError(f"{why}; started again at {new.endpoint}, not at {endpoint}: {resume}")
+            self.services.move(endpoint, new.endpoint)
+            self._write_directory()  # the actor and the learner follow it there
+            if self.conn is not None:  # and so do this process's evaluations
+                self.conn.move(endpoint, new.endpoint)
         self.say(f"{'vLLM server' if server else 'tool service ' + slot.name}: {new.endpoint}{new.where} again (pid {new.pid})")
         return new
 
     def _replace_slot(self, slot, kind: str = "learner"):
         """Where a died process of `slot` starts again: the same place while its host is there (its
-        endpoints stay valid); a new one of `kind` on another node when the host was lost, as long as
-        that node has the same address (the actor keeps the learner's and the servers' endpoints for
-        the whole run)."""
+        endpoints stay valid); a new one of `kind` on another node when the host was lost."""
         if slot.poll() != HOST_LOST:
             return slot
         new = self.launcher.place(slot.name, kind)
-        if new.host != slot.host:
-            new.stop()
-            raise RuntimeError(f"{slot.name}: its node ({slot.host}) was lost, and the node Ray placed it on next has "
-                               f"another address ({new.host}); the actor cannot follow a process that moved yet")
         self.say(f"{slot.name}: its node was lost; placed again on node {new.node_id[:12]}")
         return new
+
+    def _learner_slot_again(self, slot, config_path: Path, data: dict):
+        """Where the learner that died starts again (`_replace_slot`); on another node, its endpoints
+        are free ports there, written into its config and the service directory (the actor follows)."""
+        new = self._replace_slot(slot)
+        if new is not slot:
+            data["transport"].update(group_endpoint=new.free_endpoint(), version_endpoint=new.free_endpoint())
+            config_path.write_text(dump_toml(data))
+            self._write_directory(data["transport"])
+        return new
+
+    def _write_directory(self, learner: dict | None = None) -> None:
+        """RUN_DIR/services.json: where the run's services answer now, read by the actor and the
+        learner to follow one that started again elsewhere (agentrl.common.directory)."""
+        from agentrl.common.directory import LEARNER, write_directory
+
+        if learner is not None:
+            self._learner_endpoints = [learner["group_endpoint"], learner["version_endpoint"]]
+        entries = self.services.directory()
+        if self._learner_endpoints:
+            entries[LEARNER] = list(self._learner_endpoints)
+        write_directory(self.directory_path, entries)
 
     # -- phases
     async def run(self) -> dict:
@@ -633,6 +662,7 @@ class Supervisor:
             overrides["anchor_dir"] = str(await self._write_anchor())
         learner_slot, config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)
+        self._write_directory(data["transport"])
         learner_argv = agentrl_argv("learner", "--config", str(config_path.resolve()))
         self._phase("rl")
         rl_start = time.monotonic()
@@ -661,7 +691,7 @@ class Supervisor:
                     self.say(f"learner exited with {rc}; restarting it (restart {self.learner_restarts}), "
                              "it resumes from its checkpoint")
                     self.procs.remove(learner)
-                    learner = self._start(self._replace_slot(learner), learner_argv, control=True)
+                    learner = self._start(self._learner_slot_again(learner, config_path, data), learner_argv, control=True)
                 max_eval_s = cfg.eval.max_share * cfg.minutes * 60 if cfg.eval.in_budget else math.inf
                 if rl_eval_fits(time.monotonic(), self.evals[self.first_eval_of_this_process:], next_eval_s=next_eval,
                                 rl_end_s=rl_end(), in_budget=cfg.eval.in_budget, max_eval_s=max_eval_s):

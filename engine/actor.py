@@ -78,6 +78,10 @@ class ActorConfig:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     """An agent program run through the gateway instead of native episodes (engine/agent.py)."""
+    services_file: str = ""
+    """The run's service directory (RUN_DIR/services.json, agentrl.common.directory): a server, tool
+    replica or learner that starts again at another address is followed there (read every 2 s).
+    Empty: the endpoints above hold for the whole run."""
 
     def __post_init__(self) -> None:
         keys = self.curve_keys()
@@ -123,6 +127,7 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
         versions = VersionSubscriber(cfg.version_endpoint, curve=keys)
         await sender.start()
         await versions.start()
+        follow = asyncio.ensure_future(_follow_directory(cfg, conn, sender, versions)) if cfg.services_file else None
         try:
             runner = await stack.enter_async_context(episodes(conn)) if episodes is not None else None
             stream = taskset.train_stream(lambda: (versions.latest or (0, 0))[0])
@@ -131,7 +136,7 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
             run = asyncio.ensure_future(orch.run(stream))
             stats_path = out / "stats.jsonl"
             t0 = time.time()
-            while not run.done() and not stop.is_set() and not _refused(sender, versions):
+            while not run.done() and not stop.is_set() and not _refused(sender, versions) and not (follow and follow.done()):
                 await asyncio.wait([run], timeout=10.0)
                 with open(stats_path, "a") as f:
                     f.write(json.dumps({"time": time.time(), "elapsed_s": time.time() - t0, **dataclasses.asdict(orch.stats),
@@ -142,6 +147,10 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
             with contextlib.suppress(asyncio.CancelledError):
                 await run
         finally:
+            if follow is not None:  # a failure to follow the directory is raised here
+                follow.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await follow
             await versions.close()
             await sender.close(timeout_s=5.0)
     if refused := _refused(sender, versions):
@@ -150,6 +159,23 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
                            "accept, or keys on one side only; the transport's log line above says which): fix "
                            "curve_server_key / curve_client_key or the learner's curve_authorized_clients_dir")
     return 0
+
+
+async def _follow_directory(cfg: ActorConfig, conn: Connections, sender: GroupSender, versions: VersionSubscriber,
+                            interval_s: float = 2.0) -> None:
+    """Every `interval_s`, point the connections at the services that moved (agentrl.common.directory)."""
+    from agentrl.common.directory import INFERENCE, LEARNER, DirectoryFollower, tools_key
+
+    held = {INFERENCE: list(cfg.vllm), LEARNER: [cfg.group_endpoint, cfg.version_endpoint],
+            **{tools_key(s.name): list(s.endpoints) for s in cfg.remote_tools}}
+    follower = DirectoryFollower(cfg.services_file, held)
+    while True:
+        for move in follower.moves():
+            if move.key == LEARNER:
+                (sender if move.index == 0 else versions).move(move.new)
+            else:
+                conn.move(move.old, move.new)
+        await asyncio.sleep(interval_s)
 
 
 def _refused(sender: GroupSender, versions: VersionSubscriber) -> str:

@@ -14,7 +14,9 @@ not retried: another server would reject it too. A 5xx answer is the server fail
 500 while its engine is dead) and is handled like a lost connection.
 
 A background probe (owned by the pool, cancelled by `close`) checks dead servers' /health every
-`probe_interval_s` and puts them back when they answer.
+`probe_interval_s` and puts them back when they answer. A server that starts again at another
+address (another node of a cluster) is followed with `move(old, new)`: its place in the pool takes
+the new URL, and the probe puts it back when it answers there.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ class ServerPool:
                  model: str | None = None):
         if not base_urls:
             raise ValueError("ServerPool needs at least one server base URL")
-        self.servers = [_Server(VLLMClient(u, max_connections=max_connections, request_timeout_s=request_timeout_s,
-                                             model=model)) for u in base_urls]
+        self._client_options = {"max_connections": max_connections, "request_timeout_s": request_timeout_s, "model": model}
+        self.servers = [_Server(VLLMClient(u, **self._client_options)) for u in base_urls]
         self.max_attempts = max_attempts
         self.probe_interval_s = probe_interval_s
         self.no_server_wait_s = no_server_wait_s
         """With every server down, how long a request waits for one to come back before failing, seconds."""
         self._probe: asyncio.Task | None = None
+        self._retired: list[VLLMClient] = []
+        """Clients of the old URLs of servers that moved (requests may still be in flight there)."""
         self.num_generated_tokens = 0
         self.num_retries = 0
 
@@ -69,7 +73,7 @@ class ServerPool:
             self._probe.cancel()
             await asyncio.wait([self._probe], timeout=timeout_s)
             self._probe = None
-        await asyncio.wait_for(asyncio.gather(*(s.client.close() for s in self.servers)), timeout_s)
+        await asyncio.wait_for(asyncio.gather(*(s.client.close() for s in self.servers), *(c.close() for c in self._retired)), timeout_s)
 
     @property
     def live_servers(self) -> list[str]:
@@ -140,6 +144,18 @@ class ServerPool:
         for server in self.servers:
             if server.client.base_url == base_url:
                 self._mark_dead(server, err)
+
+    def move(self, old_url: str, new_url: str) -> None:
+        """The server at `old_url` answers at `new_url` now (started again elsewhere): requests go
+        there once the probe finds it healthy. Requests in flight at the old URL fail and are retried
+        as usual; its client is closed with the pool."""
+        for server in self.servers:
+            if server.client.base_url == old_url:
+                self._mark_dead(server, InferenceServerUnavailable(f"it answers at {new_url} now"))
+                self._retired.append(server.client)
+                server.client = VLLMClient(new_url, **self._client_options)
+                return
+        raise KeyError(f"no server {old_url} in the pool (it has {[s.client.base_url for s in self.servers]})")
 
     def _mark_dead(self, server: _Server, err: Exception) -> None:
         if server.alive:

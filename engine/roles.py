@@ -38,6 +38,8 @@ class CommandRole:
     ready_timeout_s: float = 120.0
     term_group: bool = False
     cwd: str | None = None
+    first: CommandRole | None = None
+    """The role as first started, when this one starts it again at a fixed endpoint (`role_at_endpoint`)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class VLLMRole:
     log_path: str
     control_token: str | None = None
     timeout_s: float = 300.0
+    first: VLLMRole | None = None
+    """The role as first started, when this one starts it again at a fixed endpoint (`role_at_endpoint`)."""
 
 
 Role = CommandRole | VLLMRole
@@ -113,19 +117,24 @@ def start_role(role: Role, host: str) -> Running:
     return Running(role.name, proc, line.split(" ", 1)[1].strip())
 
 
-def role_at_endpoint(role: Role, endpoint: str, label: str) -> Role:
+def role_at_endpoint(role: Role, endpoint: str | None, label: str) -> Role:
     """`role` to be started again at the `endpoint` it had (its port fixed instead of one the OS
-    picks, the host's address still filled in where it starts), logging to NAME-LABEL.log."""
+    picks, the host's address still filled in where it starts), logging to NAME-LABEL.log. With
+    `endpoint` None (another node: the old port means nothing there), the role as first started,
+    its ports picked where it starts again."""
     from urllib.parse import urlsplit
 
+    first = role.first or role
+    stem = re.sub(r"-restart\d+$", "", Path(first.log_path).stem)  # started again before: the first name
+    log_path = str(Path(first.log_path).with_name(f"{stem}-{label}.log"))
+    if endpoint is None:
+        return replace(first, log_path=log_path)
     port = urlsplit(endpoint.replace("tcp://", "http://", 1)).port
-    stem = re.sub(r"-restart\d+$", "", Path(role.log_path).stem)  # started again before: the first name
-    log_path = str(Path(role.log_path).with_name(f"{stem}-{label}.log"))
-    if isinstance(role, VLLMRole):
-        return replace(role, config=replace(role.config, port=port), log_path=log_path)
+    if isinstance(first, VLLMRole):
+        return replace(first, config=replace(first.config, port=port), log_path=log_path, first=first)
     fixed = "tcp://{host}:" + str(port)
-    argv = tuple(arg.replace("tcp://{host}:*", fixed).replace("{bind}", fixed) for arg in role.argv)
-    return replace(role, argv=argv, log_path=log_path)
+    argv = tuple(arg.replace("tcp://{host}:*", fixed).replace("{bind}", fixed) for arg in first.argv)
+    return replace(first, argv=argv, log_path=log_path, first=first)
 
 
 def agentrl_argv(*args: str) -> tuple[str, ...]:

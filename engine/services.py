@@ -285,6 +285,18 @@ class Services:
         started = [*self.procs, *([self.vllm_server] if self.vllm_server is not None else [])]
         return [(slot, code) for slot in started if (code := slot.poll()) is not None]
 
+    def move(self, old: str, new: str) -> None:
+        """A server or tool replica started again at another address: `new` replaces `old` everywhere."""
+        self.vllm_urls = [new if url == old else url for url in self.vllm_urls]
+        for service in self.remote:
+            service.endpoints = [new if e == old else e for e in service.endpoints]
+
+    def directory(self) -> dict[str, list[str]]:
+        """The entries of the run's service directory for these services (agentrl.common.directory)."""
+        from agentrl.common.directory import INFERENCE, tools_key
+
+        return {INFERENCE: list(self.vllm_urls), **{tools_key(s.name): list(s.endpoints) for s in self.remote}}
+
     def stop(self) -> None:
         """Stop what was started here, by PID (given endpoints are left running)."""
         for proc in reversed(self.procs):
@@ -539,6 +551,8 @@ class Connections:
         self._stack = contextlib.AsyncExitStack()
         self.mcp_servers: list = []
         """The MCP servers these connections started (stdio children) or connected to."""
+        self.tool_clients: dict = {}
+        """Tool service name -> its ToolClient (its replicas' endpoints can move: ToolClient.move)."""
 
     async def __aenter__(self) -> Connections:
         from transformers import AutoTokenizer
@@ -558,6 +572,7 @@ class Connections:
             self.tools = []
             for service in self.remote:
                 client = await self._stack.enter_async_context(ToolClient(service.endpoints, **tool_client_keys(service)))
+                self.tool_clients[service.name] = client
                 self.tools += await remote_tools(client)
             for i, source in enumerate(self.local):
                 if isinstance(source, FunctionSource):
@@ -586,6 +601,18 @@ class Connections:
             raise ConfigError(f"{key}.{'mcp' if isinstance(source, McpSource) else 'mcp_url'}: the MCP server did not start: {err}") from None
         self.mcp_servers.append(server)
         return list(server.tools)
+
+    def move(self, old: str, new: str) -> None:
+        """A server or tool replica started again at another address: the pool or the tool client
+        that held `old` follows it to `new` (ServerPool.move, ToolClient.move)."""
+        if self.pool is not None and old in [server.client.base_url for server in self.pool.servers]:
+            self.pool.move(old, new)
+            return
+        for client in self.tool_clients.values():
+            if old in client.endpoints:
+                client.move(old, new)
+                return
+        raise KeyError(f"no server or tool replica at {old} among these connections")
 
     async def __aexit__(self, *exc) -> None:
         await self._stack.aclose()

@@ -134,6 +134,9 @@ class LearnerConfig:
     this many bytes; later refusals are still logged, counted and nacked."""
     server_urls: list[str] = field(default_factory=list)
     """vLLM server base URLs to push weights to."""
+    services_file: str = ""
+    """The run's service directory (RUN_DIR/services.json, agentrl.common.directory): a server that
+    starts again at another address is followed there. Empty: the servers keep their URLs."""
     reward_schedule: RewardSchedule = field(default_factory=RewardSchedule)
     """Process/task reward weights by optimizer step."""
     publish: PublishConfig = field(default_factory=PublishConfig)

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from agentrl.common.directory import INFERENCE, DirectoryFollower
+
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +90,10 @@ class WeightPublisher:
     and is up again. A down server is also asked before each new push, and joins it if it answers.
     The servers that are up are asked too: one that serves a version below the one it was pushed
     was restarted between two pushes (`agentrl train` starts a dead server again at its URL, with
-    the base weights), and it is pushed the latest weights like a server that came back.
+    the base weights), and it is pushed the latest weights like a server that came back. A server
+    started again at another address (another node) is followed through the run's service
+    directory (`directory`, agentrl.common.directory), read before each recovery round: its old
+    URL is dropped, and the new one is pushed the latest weights once it answers.
     `probe` (at start) asks every server for its version concurrently; one that does not answer
     within `probe_timeout_s` is marked down instead of failing the learner.
 
@@ -98,7 +103,7 @@ class WeightPublisher:
 
     def __init__(self, server_urls: list[str], *, push_timeout_s: float = 300.0, kv_refresh_every: int = 1,
                  probe_timeout_s: float = 5.0, probe_interval_s: float = 5.0, transport: str = "auto",
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, directory: DirectoryFollower | None = None):
         if kv_refresh_every < 1:
             raise ValueError(f"kv_refresh_every={kv_refresh_every} must be >= 1")
         self.server_urls = list(server_urls)
@@ -115,6 +120,8 @@ class WeightPublisher:
         """How long a version query to a server may take before it counts as down, seconds."""
         self.probe_interval_s = probe_interval_s
         """How often down servers are asked whether they answer again, seconds."""
+        self.directory = directory
+        """Where the servers answer now (RUN_DIR/services.json), or None: they never move."""
         self._num_pushes = 0
         self._task: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -132,6 +139,7 @@ class WeightPublisher:
 
     async def probe(self) -> None:
         """Ask every server which version it serves (concurrently); a server that does not answer is marked down."""
+        self._follow()
         answers = await asyncio.gather(*(self._query_version(url) for url in self.server_urls))
         for url, version in zip(self.server_urls, answers, strict=True):
             if version is not None:
@@ -222,6 +230,25 @@ class WeightPublisher:
                 self._mark_down(url, f"version query failed: {type(err).__name__}: {err}")
             return None
 
+    def move(self, old_url: str, new_url: str) -> None:
+        """The server at `old_url` answers at `new_url` now: it is down there until it answers, then
+        pushed the latest weights (it started with the base ones)."""
+        index = self.server_urls.index(old_url)
+        self.server_urls[index] = new_url
+        self.versions.pop(old_url, None)
+        self.down.pop(old_url, None)
+        self.num_push_failures[new_url] = self.num_push_failures.pop(old_url, 0)
+        self._mark_down(new_url, f"it moved from {old_url}")
+        self._update_served()
+
+    def _follow(self) -> None:
+        if self.directory is None:
+            return
+        for move in self.directory.moves():
+            if move.key == INFERENCE:
+                log.warning("weight publisher: server %s answers at %s now", move.old, move.new)
+                self.move(move.old, move.new)
+
     def _mark_down(self, url: str, why: str) -> None:
         if url not in self.down:
             log.error("weight publisher: server %s is down (%s); the others keep getting weights, and it is "
@@ -248,6 +275,8 @@ class WeightPublisher:
             await asyncio.sleep(self.probe_interval_s)
             idle = self._task is None or (self._task.done() and not self._task.cancelled()
                                           and self._task.exception() is None)
+            if idle:
+                self._follow()
             if self._latest is not None and idle:
                 self._task = asyncio.create_task(self._recover(), name="weight-push-recovery")
 

@@ -60,6 +60,7 @@ from typing import Any
 
 from agentrl.common.adapters import adapter_metadata
 from agentrl.common.config import ConfigError, build, read_toml
+from agentrl.common.directory import INFERENCE, DirectoryFollower
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import GroupReceiver, VersionPublisher
 from agentrl.learner.checkpoint import save_checkpoint
@@ -294,8 +295,10 @@ class Learner:
             loop.add_signal_handler(sig, self._stop.set)
         intake = self.start_training()
         lora = cfg.trainer.lora
+        directory = (DirectoryFollower(cfg.services_file, {INFERENCE: cfg.server_urls}) if cfg.services_file else None)
         self.publisher = (WeightPublisher(cfg.server_urls, kv_refresh_every=cfg.publish.kv_refresh_every, transport=cfg.publish.transport,
-                                          metadata=adapter_metadata(lora.scaling) if lora.enabled else None)
+                                          metadata=adapter_metadata(lora.scaling) if lora.enabled else None,
+                                          directory=directory)
                           if cfg.publish.every else None)
         self.version_pub = VersionPublisher(cfg.transport.version_endpoint, curve=cfg.transport.curve_keys()) if cfg.transport.version_endpoint else None
         self.metrics = MetricsWriter(self.out, tensorboard=cfg.tensorboard, progress_total=cfg.max_steps,

@@ -110,6 +110,42 @@ async def test_unacked_groups_are_resent_to_a_restarted_learner_which_dedups():
         await second.close()
 
 
+async def test_a_learner_that_moved_gets_the_unacked_groups_and_publishes_versions_at_its_new_endpoints():
+    """A learner started again on another node binds other endpoints: the sender and the subscriber
+    move there (the run's service directory says where), and every unacked group is resent there."""
+    first_ep = endpoint()
+    sender = GroupSender(first_ep, max_unacked=8)
+    versions = VersionSubscriber(endpoint())
+    first = GroupReceiver(first_ep)
+    await first.start()
+    await sender.start()
+    await versions.start()
+    second_ep, second_versions_ep = endpoint(), endpoint()
+    second, publisher = GroupReceiver(second_ep), VersionPublisher(second_versions_ep, republish_interval_s=0.1)
+    try:
+        await sender.send(group("a"))
+        received = await asyncio.wait_for(first.recv(), 10)
+        await first.ack(received)
+        await asyncio.sleep(0.2)
+        await first.close()  # its node is lost before "b" arrives
+        await sender.send(group("b"))
+        await second.start()
+        await publisher.start()
+        sender.move(second_ep)
+        versions.move(second_versions_ep)
+        r = await asyncio.wait_for(second.recv(), 10)
+        assert r.group.group_id == "b" and sender.endpoint == second_ep
+        await second.ack(r)
+        await publisher.publish(7, 6)
+        assert await versions.wait_until(lambda v: v[0] == 7, timeout_s=10) == (7, 6)
+        assert await sender.wait_all_acked(10)
+    finally:
+        await versions.close()
+        await sender.close()
+        await second.close()
+        await publisher.close()
+
+
 async def test_malformed_message_is_counted_and_skipped():
     import zmq
     import zmq.asyncio
@@ -300,3 +336,19 @@ async def test_a_request_waits_for_a_restarting_server_within_the_pools_wait():
     async with ServerPool([url], probe_interval_s=0.2, no_server_wait_s=0.0) as pool:  # no wait: fails at once
         with pytest.raises(InferenceServerUnavailable, match="no live inference server"):
             await pool.generate([1, 9], SamplingParams(max_tokens=2))
+
+
+async def test_the_pool_follows_a_server_that_moved():
+    """A server started again at another address: `move` points its place in the pool there; the
+    probe puts it back when it answers, and requests go there."""
+    from agentrl.engine.pool import ServerPool
+
+    old_url = f"http://127.0.0.1:{_free_port()}"
+    port = _free_port()
+    async with ServerPool([old_url], probe_interval_s=0.2, no_server_wait_s=20.0) as pool:
+        with pytest.raises(KeyError, match="no server http://elsewhere"):
+            pool.move("http://elsewhere:1", "http://x:2")
+        async with http_server(port):
+            pool.move(old_url, f"http://127.0.0.1:{port}")
+            generation = await asyncio.wait_for(pool.generate([1, 9], SamplingParams(max_tokens=2)), 20)
+            assert generation.token_ids == [9, 10] and pool.live_servers == [f"http://127.0.0.1:{port}"]

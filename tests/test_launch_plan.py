@@ -110,3 +110,9 @@ def test_a_role_started_again_keeps_its_endpoint_and_logs_beside_the_first():
     server = VLLMRole("vllm", VLLMServerConfig(), "/run/logs/vllm.log")
     again = role_at_endpoint(server, "http://10.0.0.7:8123", "restart1")
     assert again.config.port == 8123 and again.log_path == "/run/logs/vllm-restart1.log" and server.config.port is None
+    # Its node lost: started on another node, where the old port means nothing: the role as first
+    # started (ports picked there), logging beside the others.
+    moved = role_at_endpoint(again, None, "restart2")
+    assert moved.config.port is None and moved.log_path == "/run/logs/vllm-restart2.log" and moved.first is None
+    moved_tool = role_at_endpoint(role_at_endpoint(tool, "tcp://10.0.0.7:41234", "restart1"), None, "restart2")
+    assert moved_tool.argv == tool.argv and moved_tool.log_path == "/run/logs/tool-search-1-restart2.log"

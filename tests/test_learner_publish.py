@@ -238,6 +238,35 @@ async def test_a_server_restarted_between_two_pushes_is_pushed_the_latest_weight
         assert not list(tmp_path.glob("agentrl-weights-*/*"))
 
 
+async def test_a_server_that_moved_is_followed_through_the_directory_and_pushed_the_latest_weights(monkeypatch, tmp_path):
+    """A server started again on another node answers at another URL: the publisher reads the run's
+    service directory before its recovery round, drops the old URL and pushes the new one the latest
+    weights once it answers; a directory that is not one is logged and changes nothing."""
+    from agentrl.common.directory import INFERENCE, DirectoryFollower, write_directory
+
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    old_url = f"http://127.0.0.1:{_free_port()}"  # the server's node is gone: nothing answers here
+    path = tmp_path / "services.json"
+    write_directory(path, {INFERENCE: [old_url]})
+    publisher = WeightPublisher([old_url], probe_timeout_s=0.5, probe_interval_s=0.2,
+                                directory=DirectoryFollower(path, {INFERENCE: [old_url]}))
+    await publisher.probe()
+    await publisher.publish(3, {"w": torch.full((2,), 3.0)})
+    assert not (await publisher.wait()).per_server and set(publisher.down) == {old_url}
+    path.write_text("{not json")
+    await asyncio.sleep(0.5)
+    assert publisher.server_urls == [old_url]
+    async with weight_server() as (new_url, moved):
+        write_directory(path, {INFERENCE: [new_url], "tools/search": ["tcp://127.0.0.1:1"]})
+        await _until(lambda: moved.pushes == ["3"])
+        await _until(lambda: publisher.versions == {new_url: 3})
+        assert publisher.server_urls == [new_url] and not publisher.down and publisher.served_version == 3
+        await publisher.publish(4, {"w": torch.full((2,), 4.0)})
+        report = await publisher.wait()
+        assert set(report.per_server) == {new_url} and moved.pushes == ["3", "4"]
+    await publisher.close()
+
+
 async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_the_rest(monkeypatch, tmp_path):
     """After a restart the learner asks every server what it serves; one that does not answer no
     longer stops it: the others get this lineage's weights, the down one gets them when it answers."""

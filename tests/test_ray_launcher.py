@@ -241,12 +241,13 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_with_none_left_the_run_stops(tmp_path):
-    """The server's node and a tools node are removed mid-RL: the server starts again at its URL on the
-    other inference node (same address here), the learner pushes it the latest weights, the search
-    replica of the lost tools node starts again at its endpoint on the other tools node, and
-    training goes on; then the second inference node is removed too, and with no inference node left
-    the run stops, saying which server, where, and how to continue, rather than fail every episode
-    until its budget ends."""
+    """The server's node and a tools node are removed mid-RL: the server starts again on the other
+    inference node at an endpoint of that node (another port: the old one means nothing there), the
+    run's service directory says so, the actor's pool and the learner follow it (the learner pushes
+    it the latest weights), the search replica of the lost tools node starts again at an endpoint of
+    the other tools node and the actor's tool client follows it, and training goes on; then the
+    second inference node is removed too, and with no inference node left the run stops, saying
+    which server, where, and how to continue, rather than fail every episode until its budget ends."""
     import threading
 
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "inference2": {"agentrl_inference": 1},
@@ -278,11 +279,19 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
             cluster.remove_node(nodes[first])
             cluster.remove_node(nodes["tools"])
             _wait_line(lines, f"the vLLM server on node {nodes[first].node_id[:12]}", proc, 60)
-            again = _wait_line(lines, f"vLLM server: {url} on node {nodes[other].node_id[:12]}", proc, 300)
-            assert " again (pid " in again
+            again = _wait_line(lines, f"on node {nodes[other].node_id[:12]} again (pid ", proc, 300)
+            assert again.startswith("vLLM server: ")
+            new_url = again.split()[2]
+            assert new_url != url, again
+            moved = {}
             for name, endpoint in replicas.items():  # "search#1:" -> tool-search-1
                 slot = "tool-search-" + name.removeprefix("search#").rstrip(":")
-                _wait_line(lines, f"tool service {slot}: {endpoint} on node {nodes['tools2'].node_id[:12]}", proc, 120)
+                line = _wait_line(lines, f"tool service {slot}: ", proc, 120)
+                assert f"on node {nodes['tools2'].node_id[:12]} again" in line, line
+                moved[endpoint] = line.split()[3]
+            directory = json.loads((out / "services.json").read_text())
+            assert directory["inference"] == [new_url] and set(moved.values()) <= set(directory["tools/search"])
+            assert not set(moved) & set(directory["tools/search"])
             assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
             trained = len(_metric_lines(metrics))
             deadline = time.monotonic() + 300
@@ -291,8 +300,14 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
             assert len(_metric_lines(metrics)) > trained, "no RL step after the server started again:\n" + "\n".join(lines[-30:])
             import urllib.request
 
-            with urllib.request.urlopen(url + "/weight_info", timeout=10) as answer:  # the new server took the learner's weights
+            with urllib.request.urlopen(new_url + "/weight_info", timeout=10) as answer:  # it took the learner's weights
                 assert json.loads(answer.read())["weight_version"] not in ("default", "0")
+            actor_log = (out / "logs" / "actor.log").read_text()
+            assert f"inference server {url} taken out of the pool: it answers at {new_url} now" in actor_log, actor_log[-3000:]
+            for old_endpoint, endpoint in moved.items():
+                assert f"replica {old_endpoint} now answers at {endpoint}" in actor_log, actor_log[-3000:]
+            learner_log = (out / "logs" / "learner-rl.log").read_text()
+            assert f"server {url} answers at {new_url} now" in learner_log, learner_log[-3000:]
             new_pid = int(again.split("(pid ")[1].split(")")[0])
             server_tree = [new_pid, *descendants({new_pid}, all_processes())]
             cluster.remove_node(nodes[other])

@@ -63,3 +63,36 @@ async def test_sigkill_one_of_two_search_replicas_mid_load(tmp_path):
     assert stats["num_replica_deaths"] == 1
     assert stats["num_resent"] >= 1, "no call was in flight on the victim when it died"
     assert pending_left == 0
+
+
+async def test_a_replica_started_again_at_another_endpoint_is_followed():
+    """A replica whose node was lost starts again elsewhere, at another endpoint: `move` points the
+    client there; the heartbeat's probe finds it and calls go to it again. An unknown endpoint is a
+    KeyError naming the replicas."""
+    first = start_toolserver("calculator", "tcp://127.0.0.1:*")
+    moved = None
+    try:
+        async with ToolClient([first.endpoint], heartbeat_interval_s=0.2, request_timeout_s=10) as client:
+            assert (await client.call("calculator", {"expression": "6*7"})).content["value"] == "42"
+            old = first.endpoint
+            first.kill(signal.SIGKILL)
+            moved = start_toolserver("calculator", "tcp://127.0.0.1:*")
+            assert moved.endpoint != old
+            try:
+                client.move("tcp://127.0.0.1:1", moved.endpoint)
+            except KeyError as err:
+                assert old in str(err)
+            else:
+                raise AssertionError("moving an unknown replica must raise")
+            client.move(old, moved.endpoint)
+            for _ in range(100):
+                if client.live_replicas() == [moved.endpoint]:
+                    break
+                await asyncio.sleep(0.1)
+            assert client.live_replicas() == [moved.endpoint]
+            resp = await client.call("calculator", {"expression": "2+3"})
+            assert resp.ok and resp.content["value"] == "5" and resp.replica == moved.endpoint
+    finally:
+        first.stop(10)
+        if moved is not None:
+            assert moved.stop(10) == 0

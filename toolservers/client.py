@@ -245,6 +245,11 @@ class ToolClient:
         fields = {"op": P.OP_CALL, "tool": tool, "args": arguments}
         return await self._request(fields, budget_s, retry_on_death=self._idempotent.get(tool, False))
 
+    @property
+    def endpoints(self) -> list[str]:
+        """Where the replicas answer (as moved by `move`)."""
+        return [r.endpoint for r in self._replicas]
+
     def live_replicas(self) -> list[str]:
         return [r.endpoint for r in self._replicas if r.alive]
 
@@ -350,6 +355,22 @@ class ToolClient:
         start = next(self._rr) % len(alive)
         rotated = alive[start:] + alive[:start]
         return min(rotated, key=lambda r: len(r.pending))
+
+    def move(self, old_endpoint: str, new_endpoint: str) -> None:
+        """The replica at `old_endpoint` answers at `new_endpoint` now (started again elsewhere): it
+        is dead here until the heartbeat's probe reaches it there. Its calls in flight are resent to
+        the other replicas or failed, as for any replica that dies."""
+        is_local_endpoint(new_endpoint)  # raises on a malformed endpoint
+        for rep in self._replicas:
+            if rep.endpoint == old_endpoint:
+                if rep.alive:
+                    self._mark_dead(rep, f"it answers at {new_endpoint} now")
+                else:
+                    self._close_socket(rep)
+                rep.endpoint = new_endpoint
+                log.warning("replica %s now answers at %s", old_endpoint, new_endpoint)
+                return
+        raise KeyError(f"no replica {old_endpoint} (the replicas: {[r.endpoint for r in self._replicas]})")
 
     # --- per-replica sockets -----------------------------------------------------------------------
 

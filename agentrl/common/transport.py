@@ -182,6 +182,8 @@ class GroupSender(_Owned):
         self._unacked: OrderedDict[str, tuple[list[bytes], float]] = OrderedDict()
         self._space = asyncio.Condition()
         self._sock: zmq.asyncio.Socket | None = None
+        self._resend_on_connect = False
+        """Set by `move`: the groups sent towards the old endpoint are resent at the first connect."""
         self.num_sent = 0
         self.num_resent = 0
         self.num_acked = 0
@@ -219,6 +221,18 @@ class GroupSender(_Owned):
                 self._sock.disable_monitor()
         await self._stop(timeout_s)
         self._sock = None
+
+    def move(self, endpoint: str) -> None:
+        """The receiver answers at `endpoint` now (a learner started again on another node): connect
+        there instead; every unacked group is resent once connected (the receiver dedups)."""
+        if self._sock is None:
+            raise RuntimeError("GroupSender.move before start()")
+        with contextlib.suppress(zmq.ZMQError):  # not connected there any more: nothing to undo
+            self._sock.disconnect(self.endpoint)
+        log.warning("GroupSender: the receiver at %s answers at %s now", self.endpoint, endpoint)
+        self.endpoint = endpoint
+        self._resend_on_connect = True
+        self._sock.connect(endpoint)
 
     async def send(self, group: TrajectoryGroup) -> None:
         """Send `group` (blocks while `max_unacked` groups wait). A group that cannot go on the wire
@@ -304,7 +318,8 @@ class GroupSender(_Owned):
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_CONNECTED:
                     num_connects += 1
-                    if num_connects > 1:
+                    if num_connects > 1 or self._resend_on_connect:
+                        self._resend_on_connect = False
                         await self._resend_all("reconnected")
                 elif event["event"] & HANDSHAKE_EVENTS:
                     _note_handshake(self, event)
@@ -481,6 +496,17 @@ class VersionSubscriber(_Owned):
                 self._sock.disable_monitor()
         await self._stop(timeout_s)
         self._sock = None
+
+    def move(self, endpoint: str) -> None:
+        """The publisher answers at `endpoint` now: subscribe there instead (`latest` is kept until
+        it speaks)."""
+        if self._sock is None:
+            raise RuntimeError("VersionSubscriber.move before start()")
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disconnect(self.endpoint)
+        log.warning("VersionSubscriber: the publisher at %s answers at %s now", self.endpoint, endpoint)
+        self.endpoint = endpoint
+        self._sock.connect(endpoint)
 
     async def _watch_handshakes(self, monitor: zmq.asyncio.Socket) -> None:
         try:
