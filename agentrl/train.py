@@ -60,18 +60,31 @@ import sys
 import time
 from pathlib import Path
 
+from agentrl.budget import (
+    CLEAN_EVALUATIONS,
+    MIN_RL_PHASE_S,
+    MIN_SFT_PHASE_S,
+    eval_extends_deadline_s,
+    evenly_spaced,
+    final_eval_reserve_s,
+    rl_eval_fits,
+    rl_shortfall_message,
+    sft_stop_at,
+)
 from agentrl.common.config import ConfigError, dump_toml, layer, to_dict
 from agentrl.common.directory import DIRECTORY_FILE
 from agentrl.common.files import read_jsonl, write_atomic
 from agentrl.common.procs import ChildProcess
+from agentrl.common.trajectory import single_group
 from agentrl.common.watchdog import RunLock, RunLockedError
 from agentrl.credentials import RunCredentials
 from agentrl.engine.environments import env_class
 from agentrl.engine.evaluation import GREEDY, evaluate, evaluate_baselines
-from agentrl.engine.roles import HOST_LOST, agentrl_argv, role_at_endpoint
+from agentrl.engine.roles import agentrl_argv
 from agentrl.engine.services import Connections, Services, start_services
 from agentrl.engine.task import TaskError
 from agentrl.engine.tasksets import TaskSet, load_taskset
+from agentrl.launch.keeper import ServiceKeeper
 from agentrl.progress import Progress
 from agentrl.runconfig import (
     DEFAULT_CONFIG,
@@ -82,16 +95,10 @@ from agentrl.runconfig import (
     schema_text,
     sft_learner_overrides,
 )
+from agentrl.summary import finish_run, last_metrics
 
 ANCHOR_DIR = "rl-anchor"
 """Run folder of the SFT demonstrations the RL learner's anchor trains on (learner.anchor.coef > 0)."""
-
-
-def _single_group(group_id: str, traj):
-    """A group of one trajectory (an SFT or anchor demonstration) under `group_id`."""
-    from agentrl.common.trajectory import TrajectoryGroup
-
-    return TrajectoryGroup(group_id, traj.task_id, [dataclasses.replace(traj, group_id=group_id)])
 
 
 def make_launcher(config: TrainConfig, out: Path):
@@ -136,11 +143,9 @@ class Supervisor:
         self.phases_path = out / "phases.json"
         self.phases: dict = json.loads(self.phases_path.read_text()) if resume and self.phases_path.exists() else {}
         self.learner_restarts = 0
-        self.restarts = {"inference": 0, "tools": 0}
-        """Services started again after they died, by kind (`_start_again`)."""
+        self.keeper: ServiceKeeper | None = None
+        """Starts again the services that die, and says where they answer (agentrl/launch/keeper.py)."""
         self.directory_path = (self.out / DIRECTORY_FILE).resolve()
-        """Where the run's services answer now (`_write_directory`)."""
-        self._learner_endpoints: list[str] = []
         # Held-out evaluation summaries, oldest first: read once (on --resume), then appended by _log_eval.
         self.evals: list[dict] = read_jsonl(out / "evals.jsonl") if resume else []
         self.progress = progress
@@ -221,7 +226,8 @@ class Supervisor:
                                              say=self.say, host=self.launcher.host, control_token=self.control_token,
                                              tool_keys=self.credentials.tools(), launcher=self.launcher,
                                              served_adapter=self._served_adapter())
-        self._write_directory()
+        self.keeper = ServiceKeeper(self.services, self.launcher, cfg.services, self.out, self.directory_path, self.say)
+        self.keeper.write_directory()
 
     def _served_adapter(self) -> Path | None:
         """With vLLM's own LoRA path (`services.vllm_server.lora = "vllm"`): the adapter the server
@@ -319,85 +325,6 @@ class Supervisor:
         self.say(f"started {slot.name}{slot.where} (pid {slot.pid}, log {log_path})")
         return slot
 
-    async def _check_services(self) -> None:
-        """A service the run started that exited is started again at its endpoint (`_start_again`)."""
-        for slot, code in self.services.exited():
-            if slot is self.services.vllm_server:
-                self.services.vllm_server = await self._start_again(slot, code, "inference")
-            else:
-                self.services.procs[self.services.procs.index(slot)] = await self._start_again(slot, code, "tools")
-
-    async def _start_again(self, slot, code: int, kind: str):
-        """Start the vLLM server or tool service of `slot` that exited again: at the same endpoint
-        while its node is there; its node lost, on another node of its kind, at an address of that
-        node. Those who use it follow: the actor's pool and the learner's publisher probe a server
-        (the publisher then pushes it the latest weights; episodes wait for it meanwhile), a tool
-        client probes a dead replica (its calls go to the other replicas, or fail as tool errors the
-        model sees, meanwhile), and a new address reaches them through the run's service directory
-        (`_write_directory`). At most `services.max_server_restarts` / `max_tool_restarts` times in a run."""
-        server = kind == "inference"
-        key = "max_server_restarts" if server else "max_tool_restarts"
-        limit, done = getattr(self.config.services, key), self.restarts[kind]
-        what = "the vLLM server" if server else "tool service " + slot.name
-        why = f"{what}{slot.where} exited with {code} (log {slot.log_path})"
-        resume = f"`agentrl train --resume {self.out}` continues the run"
-        if done >= limit:
-            raise RuntimeError(f"{why}, after {done} restarts (services.{key} = {limit}): {resume}")
-        self.restarts[kind] = done + 1
-        endpoint, label = slot.endpoint, f"restart{done + 1}"
-        self.say(f"{why}; starting it again (restart {done + 1}); "
-                 + ("episodes wait for it, then the learner pushes it the latest weights" if server else
-                    "its calls go to its other replicas, or fail as tool errors the model sees, until it answers"))
-        if not await asyncio.to_thread(_stops_listening, endpoint, 60.0):  # a lost node's processes: its watchdog's
-            raise RuntimeError(f"{why}, but something still listens at {endpoint} 60 s later: {resume}")
-        try:
-            new = self._replace_slot(slot, kind)  # the same slot while its host is there (its start clears what is left)
-            moved = new is not slot
-            await asyncio.to_thread(new.start, role_at_endpoint(slot.role, None if moved else endpoint, label))
-        except (RuntimeError, TimeoutError, OSError) as err:  # no node takes it, or it does not start
-            raise RuntimeError(f"{why}, and it could not be started again: {err}\n{resume}") from err
-        if new.endpoint != endpoint:
-            if not moved:
-                await asyncio.to_thread(new.stop)
-                raise RuntimeError(f"{why}; started again at {new.endpoint}, not at {endpoint}: {resume}")
-            self.services.move(endpoint, new.endpoint)
-            self._write_directory()  # the actor and the learner follow it there
-            if self.conn is not None:  # and so do this process's evaluations
-                self.conn.move(endpoint, new.endpoint)
-        self.say(f"{'vLLM server' if server else 'tool service ' + slot.name}: {new.endpoint}{new.where} again (pid {new.pid})")
-        return new
-
-    def _replace_slot(self, slot, kind: str = "learner"):
-        """Where a died process of `slot` starts again: the same place while its host is there (its
-        endpoints stay valid); a new one of `kind` on another node when the host was lost."""
-        if slot.poll() != HOST_LOST:
-            return slot
-        new = self.launcher.place(slot.name, kind)
-        self.say(f"{slot.name}: its node was lost; placed again on node {new.node_id[:12]}")
-        return new
-
-    def _learner_slot_again(self, slot, config_path: Path, data: dict):
-        """Where the learner that died starts again (`_replace_slot`); on another node, its endpoints
-        are free ports there, written into its config and the service directory (the actor follows)."""
-        new = self._replace_slot(slot)
-        if new is not slot:
-            data["transport"].update(group_endpoint=new.free_endpoint(), version_endpoint=new.free_endpoint())
-            config_path.write_text(dump_toml(data))
-            self._write_directory(data["transport"])
-        return new
-
-    def _write_directory(self, learner: dict | None = None) -> None:
-        """RUN_DIR/services.json: where the run's services answer now, read by the actor and the
-        learner to follow one that started again elsewhere (agentrl.common.directory)."""
-        from agentrl.common.directory import LEARNER, write_directory
-
-        if learner is not None:
-            self._learner_endpoints = [learner["group_endpoint"], learner["version_endpoint"]]
-        entries = self.services.directory()
-        if self._learner_endpoints:
-            entries[LEARNER] = list(self._learner_endpoints)
-        write_directory(self.directory_path, entries)
-
     # -- phases
     async def run(self) -> dict:
         cfg = self.config
@@ -407,7 +334,7 @@ class Supervisor:
         self.deadline = time.monotonic() + cfg.minutes * 60
         async with Connections(self.services.vllm_urls, self.services.remote, self.model_dir, cfg.env,
                                self.services.local, model=self.services.vllm_model or None) as conn, contextlib.AsyncExitStack() as stack:
-            self.conn = conn
+            self.conn = self.keeper.conn = conn
             if cfg.agent.enabled:  # held-out evaluations run the agent program, greedy, through a gateway of this process
                 from agentrl.gateway.agents import agent_episodes
 
@@ -575,7 +502,7 @@ class Supervisor:
                 for i, traj in enumerate(gold):
                     if learner.poll() is not None or time_limited:
                         break
-                    group = _single_group(f"sft-{epoch}-{i}", traj)
+                    group = single_group(f"sft-{epoch}-{i}", traj)
                     send = asyncio.ensure_future(sender.send(group))
                     while not send.done():
                         await asyncio.wait([send], timeout=1.0)
@@ -600,7 +527,7 @@ class Supervisor:
         rc = learner.poll()
         if rc != 0:
             raise RuntimeError(f"SFT learner exited with {rc}; log {learner.log_path}:\n{learner.log_tail()}")
-        steps_done = _last_metrics(self.out / "sft" / "metrics.jsonl").get("step", 0)
+        steps_done = last_metrics(self.out / "sft" / "metrics.jsonl").get("step", 0)
         sft_s = time.perf_counter() - t0
         summary, trajs = await self._evaluate_policy("sft")
         self._log_eval(summary, trajs)
@@ -636,14 +563,7 @@ class Supervisor:
         if not gold:
             raise RuntimeError(f"learner.anchor.coef = {self.config.learner.anchor.coef}: the demonstration anchor trains "
                                f"on the SFT demonstrations, and this run has none ({source}); set learner.anchor.coef = 0")
-        partial = path.with_name(path.name + ".partial")
-        if partial.exists():  # a run stopped while writing it
-            shutil.rmtree(partial)
-        spool = Spool(partial)
-        for i, traj in enumerate(gold):
-            spool.put(_single_group(f"anchor-{i}", traj))
-        spool.dir.rename(path)
-        return path
+        return Spool.write_whole(path, (single_group(f"anchor-{i}", traj) for i, traj in enumerate(gold)))
 
     async def _rl_phase(self) -> None:
         cfg = self.config
@@ -662,7 +582,7 @@ class Supervisor:
             overrides["anchor_dir"] = str(await self._write_anchor())
         learner_slot, config_path, data = self._learner_config("rl", overrides)
         actor_path = self._actor_config(data)
-        self._write_directory(data["transport"])
+        self.keeper.write_directory(data["transport"])
         learner_argv = agentrl_argv("learner", "--config", str(config_path.resolve()))
         self._phase("rl")
         rl_start = time.monotonic()
@@ -679,7 +599,7 @@ class Supervisor:
                 await asyncio.sleep(2.0)
                 if actor.poll() is not None:
                     raise RuntimeError(f"actor exited with {actor.poll()}; log {actor.log_path}:\n{actor.log_tail()}")
-                await self._check_services()
+                await self.keeper.check()
                 rc = learner.poll()
                 if rc is not None:
                     if rc == 0:
@@ -691,7 +611,7 @@ class Supervisor:
                     self.say(f"learner exited with {rc}; restarting it (restart {self.learner_restarts}), "
                              "it resumes from its checkpoint")
                     self.procs.remove(learner)
-                    learner = self._start(self._learner_slot_again(learner, config_path, data), learner_argv, control=True)
+                    learner = self._start(self.keeper.learner_slot_again(learner, config_path, data), learner_argv, control=True)
                 max_eval_s = cfg.eval.max_share * cfg.minutes * 60 if cfg.eval.in_budget else math.inf
                 if rl_eval_fits(time.monotonic(), self.evals[self.first_eval_of_this_process:], next_eval_s=next_eval,
                                 rl_end_s=rl_end(), in_budget=cfg.eval.in_budget, max_eval_s=max_eval_s):
@@ -711,8 +631,8 @@ class Supervisor:
         # lines of steps its successor redoes or never reaches.
         checkpoints = checkpoint_dirs(self.out / "rl" / "checkpoints")
         last_version = checkpoint_step(checkpoints[-1]) if checkpoints else first_version
-        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "server_restarts": self.restarts["inference"],
-                                "tool_restarts": self.restarts["tools"],
+        self._phase_done("rl", {"learner_restarts": self.learner_restarts, "server_restarts": self.keeper.restarts["inference"],
+                                "tool_restarts": self.keeper.restarts["tools"],
                                 "learner_rc": learner.poll(), "actor_rc": actor.poll(),
                                 "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
                                 "first_version": first_version, "last_version": last_version})
@@ -765,92 +685,6 @@ class Supervisor:
         return {**earlier, "label": label, "time": time.time(), "repeat_of": earlier["label"]}, None
 
 
-# ---------------------------------------------------------------- the time-budget rules
-# `minutes` covers everything after set-up. Three rules keep a run inside it; they are functions of
-# the evaluation summaries so that they can be tested without starting a run.
-
-
-CLEAN_EVALUATIONS = ("base_tool_call", "sft", "final")
-"""Evaluations of the policy with the server to itself (RL-phase ones share it with the actor;
-baselines such as Naive RAG run other, shorter episodes)."""
-
-
-MIN_SFT_PHASE_S = 90.0
-"""Below this much time for the SFT cold start it is skipped: a learner takes ~20-30 s to start, and
-a step of the default's ~30 s on the slower machine kind; a cold start stopped before its first step
-would leave RL no checkpoint to start from."""
-MIN_RL_PHASE_S = 60.0
-"""Below this much time before the final evaluation the RL phase is not started: starting a learner
-and an actor alone takes ~20-30 s, and a step more on the slower machine kind."""
-
-
-def rl_shortfall_message(rl_s: float, rl_min_share: float, minutes: float) -> str:
-    """What a run says before an RL phase shorter than rl_min_share of the budget: how much more
-    time RL needs on this machine and the --minutes that gives it."""
-    need_s = rl_min_share * minutes * 60
-    more_min = (need_s - max(rl_s, 0.0)) / 60
-    return (f"warning: the RL phase gets {max(rl_s, 0) / 60:.1f} minutes, less than rl_min_share = {rl_min_share} of the "
-            f"{minutes:g}-minute budget ({need_s / 60:.1f} minutes): what came before it (evaluations, the SFT cold start) "
-            f"took the rest on this machine. This machine needs about {more_min:.0f} more minutes for RL; use "
-            f"--minutes {math.ceil(minutes + more_min)}")
-
-
-def eval_extends_deadline_s(summary: dict, *, in_budget: bool) -> float:
-    """Seconds an evaluation adds to the deadline. With evaluations outside the budget the
-    before/after evaluations (sft, final) are added back; an RL-phase evaluation is not, because
-    training goes on beside it. The baseline evaluations run before the budget starts. One that did
-    not run (cached, or reused for an unchanged policy) adds nothing."""
-    if in_budget or summary["label"] not in ("sft", "final") or summary.get("cached") or summary.get("repeat_of"):
-        return 0.0
-    return float(summary["eval_s"])
-
-
-def evenly_spaced(items: list, n: int) -> list:
-    """`n` of `items` at evenly spaced positions, in order (all of them when n is 0 or >= len)."""
-    if n <= 0 or n >= len(items):
-        return list(items)
-    return [items[i * len(items) // n] for i in range(n)]
-
-
-def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
-    """Time the RL phase leaves before the deadline: stopping the RL processes (the learner
-    checkpoints on SIGTERM: ~10 s) and the final evaluation, i.e. 1.25 x the latest evaluation that
-    had the server to itself (after SFT, else the baseline; RL-phase evaluations share the server
-    with the actor and run slower; Naive RAG generates one turn only), plus 30 s; 120 s stand in for
-    an evaluation when none ran yet. A baseline on a subset of the held-out tasks (`subset_of`)
-    counts scaled to the whole set: an over-estimate (a small batch uses the server less well), so
-    the SFT cold start stops early rather than late. 0 when evaluations are outside the budget."""
-    if not in_budget:
-        return 0.0
-    durations = [e["eval_s"] * e.get("subset_of", e["n"]) / e["n"] for e in evals
-                 if e.get("label") in CLEAN_EVALUATIONS and "eval_s" in e]
-    return 1.25 * (durations[-1] if durations else 120.0) + 30.0
-
-
-def sft_stop_at(now_s: float, max_minutes: float, deadline_s: float, reserve_s: float) -> float:
-    """When the SFT cold start is stopped if its steps are not done by then: after `max_minutes`
-    (0: no limit of its own), and at the latest when only `reserve_s` (the final evaluation's) is left
-    before the deadline."""
-    limit = deadline_s - reserve_s
-    return min(limit, now_s + max_minutes * 60) if max_minutes > 0 else limit
-
-
-def rl_eval_fits(now_s: float, evals: list[dict], *, next_eval_s: float, rl_end_s: float, in_budget: bool,
-                 max_eval_s: float = math.inf) -> bool:
-    """Whether to start an RL-phase evaluation now: it is due, 1.25 x the last RL-phase one still
-    ends before the RL phase does, and the evaluations so far, this one and the final one's reserve
-    stay within `max_eval_s` (eval.max_share of the budget). Before the first, the final-evaluation
-    reserve stands in for it (an RL-phase evaluation runs beside the actor and the learner, so longer
-    than a clean one)."""
-    from agentrl.report import evaluation_seconds
-
-    rl_durations = [e["eval_s"] for e in evals if e.get("label") == "rl" and "eval_s" in e]
-    reserve_s = final_eval_reserve_s(evals, in_budget=in_budget)
-    expected_s = 1.25 * (rl_durations[-1] if rl_durations else reserve_s)
-    within_share = evaluation_seconds(evals) + expected_s + reserve_s <= max_eval_s
-    return now_s >= next_eval_s and now_s + expected_s < rl_end_s and within_share
-
-
 # ---------------------------------------------------------------- entry point
 
 
@@ -894,25 +728,6 @@ def resolve_args(args: argparse.Namespace):
         # The run's own resolved config is complete: it is not layered over today's default.
         return load_run_config(run_config, sets, base=None)
     return load_run_config(args.config, sets)
-
-
-def _stops_listening(endpoint: str, timeout_s: float) -> bool:
-    """Whether nothing accepts TCP connections at `endpoint` (http://HOST:PORT or tcp://HOST:PORT)
-    within `timeout_s`: a service started again must not find its predecessor on its port (a lost
-    node's processes go with its watchdog, seconds later), nor take its answers for its own."""
-    import socket
-    from urllib.parse import urlsplit
-
-    url = urlsplit(endpoint.replace("tcp://", "http://", 1))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((url.hostname, url.port), timeout=2):
-                pass
-        except OSError:
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def main(argv: list[str]) -> int:
@@ -1007,102 +822,3 @@ def _run(args: argparse.Namespace, config: TrainConfig, out: Path, fresh: bool, 
     summary = finish_run(out, phases, supervisor, started=t0)
     print(json.dumps(summary))
     return 0
-
-
-def finish_run(out: Path, phases: dict, supervisor: Supervisor, *, started: float) -> dict:
-    """Export the policy, write the report, and the run's summary (the JSON line)."""
-    from agentrl.export import export
-    from agentrl.learner.checkpoint import checkpoint_dirs
-    from agentrl.report import (
-        eval_records,
-        evaluation_seconds,
-        no_rl_reason,
-        paired_by,
-        paired_comparison,
-        write_report,
-    )
-
-    if checkpoint_dirs(out / "rl" / "checkpoints") or checkpoint_dirs(out / "sft" / "checkpoints"):
-        hf = str(export(out, out / "hf"))
-    else:  # neither SFT nor RL made a step: the initial model folder is the policy
-        hf = None
-        supervisor.say(f"nothing exported: no step was trained; the policy is the initial model {supervisor.model_dir}")
-    report = write_report(out)
-    base = phases["baseline"]["base_tool_call"]
-    final = phases["final"]
-    rl_metrics = _last_metrics(out / "rl" / "metrics.jsonl")
-    sft = phases.get("sft", {})
-    rl = phases.get("rl", {})
-    summary = {
-        "score_metric": final["score_metric"],
-        "score_before": round(base["score"], 4),
-        "score_sft": round(sft["score"], 4) if "score" in sft else None,
-        "score_after": round(final["score"], 4),
-        "rl_ran": rl.get("rl_steps", 0) > 0,
-        "rl_steps": rl.get("rl_steps", 0),
-        "sft_steps_done": sft.get("steps_done", 0),
-        "episodes": _actor_episodes(out / "actor" / "stats.jsonl"),
-        "optimizer_steps": rl_metrics.get("step", sft.get("steps_done", 0)),
-        "learner_restarts": rl.get("learner_restarts", 0),
-        "server_restarts": rl.get("server_restarts", 0),
-        "tool_restarts": rl.get("tool_restarts", 0),
-        "minutes": round((time.time() - started) / 60, 2),
-        "minutes_after_setup": round((time.time() - started - supervisor.setup_s - supervisor.diagnostic_s) / 60, 2),
-        "setup_minutes": round(supervisor.setup_s / 60, 2),
-        "eval_minutes": round(evaluation_seconds(supervisor.evals) / 60, 2),
-        "sft_minutes": round(sft.get("sft_s", 0.0) / 60, 2),
-        "rl_minutes": round(rl.get("rl_s", 0.0) / 60, 2),
-        "diagnostic_minutes": round(supervisor.diagnostic_s / 60, 2),
-        "baselines_cached": "cached" in phases["baseline"],
-        "report": str(report),
-        "hf": hf,
-        "out": str(out),
-    }
-    if not summary["rl_ran"]:
-        summary["rl_note"] = no_rl_reason(phases)
-    for metric in env_class(supervisor.config.env).summary_metrics:  # the environment's own keys (QA: em, f1)
-        for label, s in (("before", base), ("sft", sft), ("after", final)):
-            if metric in s:
-                summary[f"{metric}_{label}"] = round(s[metric], 4)
-    for name, s in phases["baseline"].get("baselines", {}).items():
-        summary[f"{final['score_metric']}_{name}"] = round(s["score"], 4)
-    for key in sorted(k for k in final if k.startswith("by_")):
-        name = key.replace("by_num_", "by_")  # a count in the metadata (num_hops) reads as by_hops
-        for label, s in (("before", base), ("sft", sft), ("after", final)):
-            if key in s:
-                summary[f"{final['score_metric']}_{label}_{name}"] = {v: round(c["score"], 4) for v, c in s[key].items()}
-                summary[f"calls_{label}_{name}"] = {v: round(c["calls_per_episode"], 3) for v, c in s[key].items()}
-    if "final_without_tools" in phases:
-        summary[f"{final['score_metric']}_after_without_tools"] = round(phases["final_without_tools"]["score"], 4)
-    if "final_transfer" in phases:  # synthetic QA: 3-hop questions; by_hops only when they mix hop counts
-        transfer = phases["final_transfer"]
-        summary[f"{final['score_metric']}_after_transfer"] = round(transfer["score"], 4)
-        summary["calls_after_transfer"] = round(transfer["calls_per_episode"], 3)
-        for key in sorted(k for k in transfer if k.startswith("by_")):
-            summary[f"{final['score_metric']}_after_transfer_{key.replace('by_num_', 'by_')}"] = {
-                v: round(c["score"], 4) for v, c in transfer[key].items()}
-    if "score" in sft and summary["rl_ran"]:
-        paired = paired_comparison(eval_records(out, "sft", sft), eval_records(out, "final", final))
-        if paired:
-            summary |= {"rl_vs_sft_gained": paired["gained"], "rl_vs_sft_lost": paired["lost"],
-                        "rl_vs_sft_p_value": round(paired["p_value"], 4)}
-        for key, by_value in paired_by(out, ("sft", sft), ("final", final)).items():
-            summary[f"rl_vs_sft_by_{key.replace('num_', '')}"] = {
-                v: {"gained": p["gained"], "lost": p["lost"], "p_value": round(p["p_value"], 4)} for v, p in by_value.items()}
-    return summary
-
-
-def _last_metrics(path: Path) -> dict:
-    records = read_jsonl(path)
-    return records[-1] if records else {}
-
-
-def _actor_episodes(path: Path) -> int:
-    """Episodes finished by the actor (summed over actor restarts)."""
-    total, last = 0, None
-    for rec in read_jsonl(path):
-        if last is not None and rec["num_episodes_finished"] < last:
-            total += last
-        last = rec["num_episodes_finished"]
-    return total + (last or 0)
-

@@ -50,6 +50,22 @@ class Spool:
             self._next_seq = max(self._next_seq, int(path.name.split("-", 1)[0]) + 1)
             self._paths[self._group_id(path)] = path
 
+    @classmethod
+    def write_whole(cls, directory: Path, groups) -> Path:
+        """A spool of `groups` at `directory`, all or nothing: written beside it (NAME.partial, one
+        a stopped writer left is removed first), then renamed. Returns `directory`."""
+        import shutil
+
+        directory = Path(directory)
+        partial = directory.with_name(directory.name + ".partial")
+        if partial.exists():
+            shutil.rmtree(partial)
+        spool = cls(partial)
+        for group in groups:
+            spool.put(group)
+        spool.dir.rename(directory)
+        return directory
+
     @staticmethod
     def _group_id(path: Path) -> str:
         with open(path, "rb") as f:

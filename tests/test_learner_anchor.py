@@ -136,3 +136,23 @@ def test_anchor_skips_demonstrations_without_action_tokens_and_a_restart_takes_a
     anchor.restart(40)  # resumed at step 40: another order of the same demonstrations
     resumed = [anchor.next_samples()[0].group_id for _ in range(6)]
     assert sorted(resumed) == sorted(first) and resumed != first
+
+
+def test_a_demonstration_spool_is_written_whole_and_a_partial_one_is_replaced(tmp_path):
+    """`agentrl train` writes the anchor's demonstrations with `Spool.write_whole`: one group of one
+    trajectory each, in order; a folder a stopped writer left (NAME.partial) is removed first, and
+    no partial folder remains."""
+    from agentrl.common.trajectory import single_group
+
+    gold = [make_group(f"g{i}", [1.0]).trajectories[0] for i in range(3)]
+    stale = tmp_path / "rl-anchor.partial"
+    stale.mkdir()
+    (stale / "000000000000-old.grp").write_bytes(b"not a group")
+    path = Spool.write_whole(tmp_path / "rl-anchor", (single_group(f"anchor-{i}", t) for i, t in enumerate(gold)))
+    assert not stale.exists() and path == tmp_path / "rl-anchor"
+    spool = Spool(path)
+    assert spool.pending() == ["anchor-0", "anchor-1", "anchor-2"]
+    for i, traj in enumerate(gold):
+        group = spool.load(f"anchor-{i}")
+        assert [t.group_id for t in group.trajectories] == [f"anchor-{i}"]
+        assert group.trajectories[0].token_ids.tolist() == traj.token_ids.tolist()

@@ -204,6 +204,10 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
         while time.monotonic() < deadline and len(_metric_lines(metrics)) <= trained_before:
             time.sleep(1.0)
         assert len(_metric_lines(metrics)) > trained_before, "\n".join(lines[-30:])
+        # It binds ports of its new node; the actor followed it there through the service directory.
+        group_endpoint, version_endpoint = json.loads((out / "services.json").read_text())["learner"]
+        actor_log = (out / "logs" / "actor.log").read_text()
+        assert f"answers at {group_endpoint} now" in actor_log and f"answers at {version_endpoint} now" in actor_log, actor_log[-3000:]
 
         # SIGKILL the driver: Ray ends its host actors, whose watchdogs stop every process of the run.
         table = all_processes()

@@ -8,14 +8,9 @@ import json
 
 import pytest
 
+from agentrl.budget import eval_extends_deadline_s, evenly_spaced, final_eval_reserve_s, rl_eval_fits
 from agentrl.runconfig import TrainConfig
-from agentrl.train import (
-    Supervisor,
-    eval_extends_deadline_s,
-    evenly_spaced,
-    final_eval_reserve_s,
-    rl_eval_fits,
-)
+from agentrl.train import Supervisor
 
 
 def _summary(label: str, eval_s: float) -> dict:
@@ -124,7 +119,7 @@ def test_a_fresh_run_into_a_run_directory_is_refused(tmp_path, capsys, monkeypat
 
 
 def test_the_sft_cold_start_stops_at_its_own_limit_or_when_only_the_final_reserve_is_left():
-    from agentrl.train import sft_stop_at
+    from agentrl.budget import sft_stop_at
 
     # deadline 1000 s, final evaluation reserve 100 s: never later than 900 s
     assert sft_stop_at(0.0, 0.0, 1000.0, 100.0) == 900.0  # no limit of its own
@@ -192,7 +187,7 @@ def test_an_evaluation_that_did_not_run_moves_no_deadline():
 
 
 def test_the_rl_shortfall_warning_names_the_budget_that_gives_rl_its_share():
-    from agentrl.train import rl_shortfall_message
+    from agentrl.budget import rl_shortfall_message
 
     # A 28-minute budget keeps 0.4 x 28 = 11.2 minutes for RL; 3 minutes are left: 8.2 more are needed.
     text = rl_shortfall_message(180.0, 0.4, 28.0)

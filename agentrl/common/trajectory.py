@@ -303,3 +303,10 @@ def check_trajectory(traj: Trajectory, vocab_size: int | None) -> None:
             raise ValueError(f"token_ids holds {bad}, outside the model's vocabulary [0, {vocab_size if vocab_size is not None else 'V'})")
     if traj.policy_versions.size and int(traj.policy_versions.min()) < -1:
         raise ValueError(f"policy_versions holds {int(traj.policy_versions.min())}; versions are -1 (no policy) or >= 0")
+
+
+def single_group(group_id: str, traj: Trajectory) -> TrajectoryGroup:
+    """A group of one trajectory (an SFT or anchor demonstration) under `group_id`."""
+    from dataclasses import replace
+
+    return TrajectoryGroup(group_id, traj.task_id, [replace(traj, group_id=group_id)])
