@@ -147,12 +147,14 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
             with contextlib.suppress(asyncio.CancelledError):
                 await run
         finally:
-            if follow is not None:  # a failure to follow the directory is raised here
-                follow.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await follow
-            await versions.close()
-            await sender.close(timeout_s=5.0)
+            try:
+                await versions.close()
+                await sender.close(timeout_s=5.0)
+            finally:
+                if follow is not None:  # a failure to follow the directory is raised here, after the closes
+                    follow.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await follow
     if refused := _refused(sender, versions):
         # libzmq does not retry a refused handshake: waiting on would send nothing, forever.
         raise RuntimeError(f"the learner refused this actor's connection to {refused} (a CurveZMQ key it does not "

@@ -153,6 +153,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         await self.wait()
         stall_s = time.perf_counter() - t0
+        self._follow()  # no push in flight: a server that moved is pushed at its new URL (the watch may never find the publisher idle)
         self._task = asyncio.create_task(self._push(version, snapshot), name=f"weight-push-v{version}")
         self._ensure_watcher()
         return stall_s
@@ -238,7 +239,9 @@ class WeightPublisher:
         self.versions.pop(old_url, None)
         self.down.pop(old_url, None)
         self.num_push_failures[new_url] = self.num_push_failures.pop(old_url, 0)
-        self._mark_down(new_url, f"it moved from {old_url}")
+        self.down[new_url] = f"it moved from {old_url}; not pushed there yet"  # not a failed push: not counted
+        log.warning("weight publisher: server %s answers at %s now; it is pushed the latest weights when it answers",
+                    old_url, new_url)
         self._update_served()
 
     def _follow(self) -> None:
@@ -246,7 +249,6 @@ class WeightPublisher:
             return
         for move in self.directory.moves():
             if move.key == INFERENCE:
-                log.warning("weight publisher: server %s answers at %s now", move.old, move.new)
                 self.move(move.old, move.new)
 
     def _mark_down(self, url: str, why: str) -> None:
@@ -276,7 +278,10 @@ class WeightPublisher:
             idle = self._task is None or (self._task.done() and not self._task.cancelled()
                                           and self._task.exception() is None)
             if idle:
-                self._follow()
+                try:
+                    self._follow()
+                except ValueError as err:  # a URL the directory moved that this publisher never had
+                    log.error("weight publisher: the service directory names a move it cannot follow: %s", err)
             if self._latest is not None and idle:
                 self._task = asyncio.create_task(self._recover(), name="weight-push-recovery")
 

@@ -50,3 +50,15 @@ def test_a_file_that_is_not_a_directory_is_refused_and_the_endpoints_held_stay(t
     write_directory(path, {INFERENCE: ["http://b:1"]})
     assert follower.moves() == [Move(INFERENCE, 0, "http://a:1", "http://b:1")]
     assert not list(tmp_path.glob(".*.tmp"))  # written by rename: no partial file left
+
+
+def test_a_directory_that_cannot_be_read_now_is_read_again_at_the_next_look(tmp_path):
+    """An I/O error (here: the path is a folder for a while) is not a look: the move written once it
+    reads again is still reported."""
+    path = tmp_path / "services.json"
+    path.mkdir()
+    follower = DirectoryFollower(path, {INFERENCE: ["http://a:1"]})
+    assert follower.moves() == []
+    path.rmdir()
+    write_directory(path, {INFERENCE: ["http://b:1"]})
+    assert follower.moves() == [Move(INFERENCE, 0, "http://a:1", "http://b:1")]

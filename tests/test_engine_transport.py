@@ -146,6 +146,30 @@ async def test_a_learner_that_moved_gets_the_unacked_groups_and_publishes_versio
         await publisher.close()
 
 
+async def test_groups_sent_towards_a_learner_that_never_answered_reach_it_where_it_moved():
+    """The learner's first endpoint never answered (its node was lost before it bound): the groups
+    queued for it are dropped with that connection, and resent at the first connect to where it
+    moved, with no second connect to trigger a resend."""
+    sender = GroupSender(endpoint(), max_unacked=8)
+    await sender.start()
+    moved_ep = endpoint()
+    receiver = GroupReceiver(moved_ep)
+    try:
+        await sender.send(group("a"))
+        await sender.send(group("b"))
+        await receiver.start()
+        sender.move(moved_ep)
+        seen = []
+        for _ in range(2):
+            r = await asyncio.wait_for(receiver.recv(), 10)
+            seen.append(r.group.group_id)
+            await receiver.ack(r)
+        assert sorted(seen) == ["a", "b"] and await sender.wait_all_acked(10) and sender.num_resent >= 2
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
 async def test_malformed_message_is_counted_and_skipped():
     import zmq
     import zmq.asyncio

@@ -57,6 +57,10 @@ def read_directory(path: Path) -> dict[str, list[str]] | None:
         text = path.read_text()
     except FileNotFoundError:
         return None
+    return parse_directory(text, path)
+
+
+def parse_directory(text: str, path: Path) -> dict[str, list[str]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
@@ -73,27 +77,32 @@ class DirectoryFollower:
     def __init__(self, path: str | Path, held: dict[str, list[str]]):
         self.path = Path(path)
         self.held = {key: list(endpoints) for key, endpoints in held.items()}
-        self._stamp: tuple[int, int] | None = None
+        self._seen: str | None = None
+        """The file's text at the last look that read it (compared whole: it is small, and a rewrite
+        on a network file system may keep its mtime)."""
 
     def moves(self) -> list[Move]:
         """The entries of the file that differ from what is held, now held. Only the keys and
-        indices this reader holds count: a longer list or a key it does not use is not its business."""
+        indices this reader holds count: a longer list or a key it does not use is not its business.
+        A file that cannot be read now (an I/O error on shared storage) is read again next time."""
         try:
-            stat = self.path.stat()
+            text = self.path.read_text()
         except FileNotFoundError:
             return []
-        stamp = (stat.st_mtime_ns, stat.st_ino)
-        if stamp == self._stamp:
+        except OSError as err:
+            log.warning("service directory: %s cannot be read now (%s); trying again at the next look", self.path, err)
             return []
-        self._stamp = stamp  # a bad file is said once, not at every look
+        if text == self._seen:
+            return []
+        self._seen = text  # a bad file is said once, not at every look
         try:
-            entries = read_directory(self.path)
+            entries = parse_directory(text, self.path)
         except ValueError as err:
             log.error("service directory: %s; keeping the endpoints held", err)
             return []
         moves = []
         for key, held in self.held.items():
-            for index, new in enumerate((entries or {}).get(key, [])[:len(held)]):
+            for index, new in enumerate(entries.get(key, [])[:len(held)]):
                 if new != held[index]:
                     moves.append(Move(key, index, held[index], new))
                     held[index] = new

@@ -93,6 +93,7 @@ class ServiceKeeper:
         new = self.replace_slot(slot)
         if new is not slot:
             data["transport"].update(group_endpoint=new.free_endpoint(), version_endpoint=new.free_endpoint())
+            data["server_urls"] = list(self.services.vllm_urls)  # where the servers answer now
             config_path.write_text(dump_toml(data))
             self.write_directory(data["transport"])
         return new
