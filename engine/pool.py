@@ -151,6 +151,7 @@ class ServerPool:
         as usual; its client is closed with the pool."""
         for server in self.servers:
             if server.client.base_url == old_url:
+                log.warning("inference server %s answers at %s now; back in the pool when it answers there", old_url, new_url)
                 self._mark_dead(server, InferenceServerUnavailable(f"it answers at {new_url} now"))
                 self._retired.append(server.client)
                 server.client = VLLMClient(new_url, **self._client_options)

@@ -25,6 +25,7 @@ from agentrl.common.curve import load_client_keys
 from agentrl.common.trajectory import encode_group
 from agentrl.common.transport import GROUP, GroupReceiver, GroupSender, VersionPublisher, VersionSubscriber
 from agentrl.engine.actor import ActorConfig
+from agentrl.engine.services import Services
 from agentrl.learner.config import LearnerConfig, LearnerTransportConfig
 
 NOT_RECEIVED_S = 3.0
@@ -277,7 +278,7 @@ def _supervisor(tmp_path, learner: LearnerConfig):
     supervisor = Supervisor(TrainConfig(learner=learner), tmp_path / "run")
     (tmp_path / "run").mkdir()
     supervisor.model_dir = str(tmp_path / "model")
-    supervisor.services = SimpleNamespace(vllm_urls=["http://127.0.0.1:9"], remote=[], local=[])
+    supervisor.services = Services(vllm_urls=["http://127.0.0.1:9"])
     return supervisor
 
 
@@ -333,7 +334,7 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
     supervisor = Supervisor(TrainConfig(network=NetworkConfig(host=host)), tmp_path / "run")
     (tmp_path / "run").mkdir()
     supervisor.model_dir = str(tmp_path / "model")
-    supervisor.services = SimpleNamespace(vllm_urls=[f"http://{host}:9"], remote=[], local=[])
+    supervisor.services = Services(vllm_urls=[f"http://{host}:9"])
     _, path, data = supervisor._learner_config("rl", {})
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
     actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
