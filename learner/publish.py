@@ -194,12 +194,19 @@ class WeightPublisher:
         assert self._latest is not None
         version, path = self._latest
         up = [url for url in self.server_urls if url not in self.down]
-        for url, served in zip(up, await asyncio.gather(*(self._query_version(url) for url in up)), strict=True):
+        # A server that is up and busy (an evaluation beside the actor on a CPU) may not answer a
+        # version query in time: that is not a restart, and it stays up; only a lower version is one.
+        answers = await asyncio.gather(*(self._query_version(url, mark_down=False) for url in up))
+        for url, served in zip(up, answers, strict=True):
             if served is not None and served < self.versions.get(url, served):
                 self._mark_down(url, f"serves version {served}, below the {self.versions[url]} it was pushed: it restarted")
         down = list(self.down)
         answering = await asyncio.gather(*(self._query_version(url) for url in down))
-        back = [url for url, v in zip(down, answering, strict=True) if v is not None]
+        for url, served in zip(down, answering, strict=True):
+            if served is not None and served == version:  # it has the latest weights (a timed-out query): no push
+                self.down.pop(url, None)
+                self.versions[url] = served
+        back = [url for url, v in zip(down, answering, strict=True) if v is not None and v != version]
         if back:
             log.warning("weight publisher: %s answer again; pushing them version %d", back, version)
             await asyncio.gather(*(self._push_one(url, path, version, True) for url in back))
@@ -219,15 +226,15 @@ class WeightPublisher:
         self.versions[url] = version
         return result
 
-    async def _query_version(self, url: str) -> int | None:
-        """The version `url` serves, or None (and the server is marked down) if it does not answer."""
+    async def _query_version(self, url: str, *, mark_down: bool = True) -> int | None:
+        """The version `url` serves, or None (and the server is marked down, if `mark_down`) if it does not answer."""
         from agentrl.common.inference import InferenceServerError, VLLMClient
 
         try:
             async with asyncio.timeout(self.probe_timeout_s), VLLMClient(url, connect_timeout_s=self.probe_timeout_s) as client:
                 return await client.weight_version()
         except (InferenceServerError, TimeoutError) as err:
-            if url not in self.down:
+            if mark_down and url not in self.down:
                 self._mark_down(url, f"version query failed: {type(err).__name__}: {err}")
             return None
 

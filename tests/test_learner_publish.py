@@ -267,6 +267,31 @@ async def test_a_server_that_moved_is_followed_through_the_directory_and_pushed_
     await publisher.close()
 
 
+async def test_a_busy_server_that_answers_a_version_query_late_is_not_pushed_again(monkeypatch, tmp_path):
+    """The watch asks the servers that are up for their versions every round. One that is busy (on a
+    CPU: an evaluation beside the actor) and answers late has not restarted: it stays up and is not
+    pushed the same weights again (seen in a main job: a push of the same version every ~10 s, each
+    dropping the KV cache, which starved training and made an evaluation take 10 minutes)."""
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    async with weight_server() as (url, server):
+        publisher = WeightPublisher([url], probe_timeout_s=0.3, probe_interval_s=0.2)
+        await publisher.probe()
+        await publisher.publish(5, {"w": torch.full((2,), 5.0)})
+        await publisher.wait()
+        server.busy = True  # its /weight_info does not answer within the probe timeout
+        await asyncio.sleep(1.5)
+        assert not publisher.down and publisher.versions == {url: 5}
+        server.busy = False
+        await asyncio.sleep(0.6)
+        assert server.pushes == ["5"] and not publisher.down and publisher.num_recoveries == 0
+        # Marked down by a failed query elsewhere (a push's own), but still serving the latest: taken
+        # back without a push.
+        publisher._mark_down(url, "test: a query that timed out")
+        await _until(lambda: not publisher.down)
+        assert server.pushes == ["5"] and publisher.versions == {url: 5}
+        await publisher.close()
+
+
 async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_the_rest(monkeypatch, tmp_path):
     """After a restart the learner asks every server what it serves; one that does not answer no
     longer stops it: the others get this lineage's weights, the down one gets them when it answers."""
