@@ -207,16 +207,22 @@ async def test_a_down_server_does_not_stop_the_others_and_gets_the_latest_weight
         assert not list(tmp_path.glob("agentrl-weights-*/*"))
 
 
+async def _watched_after_one_push(url: str, version: int) -> WeightPublisher:
+    """A publisher whose watch runs every 0.2 s (queries time out after 0.3 s), after one push of `version`."""
+    publisher = WeightPublisher([url], probe_timeout_s=0.3, probe_interval_s=0.2)
+    await publisher.probe()
+    await publisher.publish(version, {"w": torch.full((2,), float(version))})
+    await publisher.wait()
+    return publisher
+
+
 async def test_a_server_restarted_between_two_pushes_is_pushed_the_latest_weights(monkeypatch, tmp_path):
     """A server that dies and is started again between two pushes never fails a push, but serves the
     base weights (version 0) while the publisher thinks it serves the last: the publisher's watch asks
     the servers that are up too, and pushes the latest weights to one that went back."""
     monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
     async with weight_server() as (url, server):
-        publisher = WeightPublisher([url], probe_timeout_s=0.3, probe_interval_s=0.2)
-        await publisher.probe()
-        await publisher.publish(5, {"w": torch.full((2,), 5.0)})
-        await publisher.wait()
+        publisher = await _watched_after_one_push(url, 5)
         assert server.pushes == ["5"]
         await asyncio.sleep(0.6)  # watched and found serving what it was pushed: no push
         assert server.pushes == ["5"]
@@ -274,10 +280,7 @@ async def test_a_busy_server_that_answers_a_version_query_late_is_not_pushed_aga
     dropping the KV cache, which starved training and made an evaluation take 10 minutes)."""
     monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
     async with weight_server() as (url, server):
-        publisher = WeightPublisher([url], probe_timeout_s=0.3, probe_interval_s=0.2)
-        await publisher.probe()
-        await publisher.publish(5, {"w": torch.full((2,), 5.0)})
-        await publisher.wait()
+        publisher = await _watched_after_one_push(url, 5)
         server.busy = True  # its /weight_info does not answer within the probe timeout
         await asyncio.sleep(1.5)
         assert not publisher.down and publisher.versions == {url: 5}

@@ -31,7 +31,7 @@ class ServiceKeeper:
         """The supervisor's own `Connections` (its evaluations), moved with a service that moved."""
 
     async def check(self) -> None:
-        """A service the run started that exited is started again at its endpoint (`start_again`)."""
+        """A service the run started that exited is started again (`start_again`)."""
         for slot, code in self.services.exited():
             if slot is self.services.vllm_server:
                 self.services.vllm_server = await self.start_again(slot, code, "inference")
