@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +136,11 @@ class WeightPublisher:
         self.num_recoveries = 0
         """Down servers that answered again and took the latest weights."""
         self.served_version = 0
+        self.on_served: Callable[[int], None] | None = None
+        """Called with `served_version` whenever it changes, from a push or a recovery alike. The
+        learner hands it to its version announcements (`VersionPublisher.set_served`): an actor held
+        back by its staleness bound sends no groups, so an announcement that waited for the next
+        step would never come."""
         self.reports: list[PushReport] = []
 
     async def probe(self) -> None:
@@ -272,8 +278,11 @@ class WeightPublisher:
         self._latest = (version, path)
 
     def _update_served(self) -> None:
-        if self.versions:  # none up: keep the last value (nothing serves anything newer)
-            self.served_version = min(self.versions.values())
+        if not self.versions:  # none up: keep the last value (nothing serves anything newer)
+            return
+        served, self.served_version = self.served_version, min(self.versions.values())
+        if self.served_version != served and self.on_served is not None:
+            self.on_served(self.served_version)
 
     def _ensure_watcher(self) -> None:
         if self._watcher is None:

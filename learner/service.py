@@ -279,6 +279,19 @@ class Learner:
                   f"{self.step} when they answer", file=sys.stderr, flush=True)
         return publisher.served_version
 
+    async def _start_announcing(self, served: int) -> None:
+        """Announce (version, served version) to the actors: after every step, and whenever the
+        servers catch up in between (a push that finished, a restarted server that took the latest
+        weights). An actor held back by its staleness bound sends no groups, so no step would come
+        to announce a catch-up: in a run whose only server was lost and came back while the learner
+        trained ahead, the actor waited for its budget to run out."""
+        if self.version_pub is None:
+            return
+        await self.version_pub.start()
+        await self.version_pub.publish(self.step, served)
+        if self.publisher is not None:
+            self.publisher.on_served = self.version_pub.set_served
+
     async def _query_served_version(self) -> int:
         """Without pushes (publish.every = 0): the oldest version among the servers that answer."""
         probe = WeightPublisher(self.config.server_urls)
@@ -308,9 +321,7 @@ class Learner:
             served = await self._start_publishing()
         else:
             served = await self._query_served_version() if cfg.server_urls else 0
-        if self.version_pub is not None:
-            await self.version_pub.start()
-            await self.version_pub.publish(self.step, served)
+        await self._start_announcing(served)
         print(f"READY learner step={self.step} replay={intake.num_replayed} endpoint={cfg.transport.group_endpoint} "
               f"ranks={self.ranks.world} device={self.ranks.device}", file=sys.stderr, flush=True)
         try:

@@ -18,11 +18,13 @@ import torch
 from aiohttp import web
 
 from agentrl.common import weights
+from agentrl.common.transport import VersionPublisher
 from agentrl.learner.publish import WeightPublisher
 
 WRITER = """
 import sys, time, torch
 from agentrl.common import weights
+from agentrl.common.transport import VersionPublisher
 weights.SHM_DIR = sys.argv[1]
 print(weights.write_weights({"w": torch.zeros(100_000)}), flush=True)
 if sys.argv[2] == "wait":
@@ -318,6 +320,50 @@ async def test_the_learner_starts_with_a_server_down_and_serves_its_version_to_t
         learner.publisher = WeightPublisher(config.server_urls, probe_timeout_s=2.0, probe_interval_s=60.0)
         served = await learner._start_publishing()
         assert served == 0 and up.pushes == ["0"] and set(learner.publisher.down) == {dead_url}
+        await learner.publisher.close()
+
+
+async def test_a_server_that_catches_up_between_two_steps_is_announced_to_the_actor(monkeypatch, tmp_path):
+    """The run's only server is lost while the learner trains ahead of it; the actor, held back by
+    its staleness bound, sends no groups, so no step comes. When the server answers again and takes
+    the latest weights, the learner announces the new served version at once (seen in CI before the
+    fix: the actor waited with the learner 5 versions ahead of the announced one until its budget
+    ran out, though the server had served version 5 for minutes)."""
+    from support.synthetic import tiny_llama
+
+    from agentrl.common.transport import VersionSubscriber
+    from agentrl.learner.config import LearnerConfig
+    from agentrl.learner.service import Learner
+    from agentrl.learner.trainer_config import TrainerConfig
+
+    monkeypatch.setattr(weights, "SHM_DIR", str(tmp_path))
+    model_dir = tmp_path / "model"
+    tiny_llama(128, seed=0).save_pretrained(model_dir)
+    port = _free_port()  # the server's node is gone: nothing answers here yet
+    url, versions_ep = f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{_free_port()}"
+    config = LearnerConfig(output_dir=str(tmp_path / "run"), model_dir=str(model_dir), server_urls=[url],
+                           transport={"version_endpoint": versions_ep}, tensorboard=False, progress_bar=False,
+                           trainer=TrainerConfig(precision="fp32"))
+    learner = Learner(config)
+    learner.start_training()
+    learner.publisher = WeightPublisher(config.server_urls, probe_timeout_s=0.5, probe_interval_s=0.2)
+    learner.version_pub = VersionPublisher(versions_ep, republish_interval_s=0.1)
+    await learner._start_announcing(await learner._start_publishing())
+    actor = VersionSubscriber(versions_ep)
+    await actor.start()
+    try:
+        assert await actor.wait_until(lambda v: True, timeout_s=10) == (0, 0)
+        learner.step = 5  # trained ahead while the server was lost; its push failed
+        await learner.publisher.publish(5, {"w": torch.full((2,), 5.0)})
+        assert not (await learner.publisher.wait()).per_server
+        await learner.version_pub.publish(5, learner.publisher.served_version)
+        assert await actor.wait_until(lambda v: v[0] == 5, timeout_s=10) == (5, 0)
+        async with weight_server(port) as (_, server):  # it answers again: the watch pushes it version 5
+            assert await actor.wait_until(lambda v: v[1] == 5, timeout_s=20) == (5, 5)
+            assert server.pushes == ["5"]
+    finally:
+        await actor.close()
+        await learner.version_pub.close()
         await learner.publisher.close()
 
 

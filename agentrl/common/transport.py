@@ -435,6 +435,7 @@ class VersionPublisher(_Owned):
         """CurveZMQ keys: subscribers must hold an authorized client key; None: plain text."""
         self._sock: zmq.asyncio.Socket | None = None
         self._latest: bytes | None = None
+        self._version = 0
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -447,8 +448,16 @@ class VersionPublisher(_Owned):
         self._spawn(self._republish(), "version-republish")
 
     async def publish(self, version: int, served_version: int) -> None:
+        self._version = int(version)
         self._latest = msgpack.packb({"version": int(version), "served_version": int(served_version)})
         await self._sock.send(self._latest)
+
+    def set_served(self, served_version: int) -> None:
+        """The servers caught up between two versions (a push finished, a restarted server took the
+        latest weights): the next republish, within `republish_interval_s`, says so. Before the first
+        `publish` there is nothing to amend."""
+        if self._latest is not None:
+            self._latest = msgpack.packb({"version": self._version, "served_version": int(served_version)})
 
     async def close(self, timeout_s: float = 5.0) -> None:
         await self._stop(timeout_s, bound=self._sock)
