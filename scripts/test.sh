@@ -8,4 +8,5 @@ VENV=${AGENTRL_VENV:-.venv}
 # once installed) would otherwise be importable as `kernels`, the name of a Hugging Face package
 # that transformers probes for. Child processes inherit PYTHONSAFEPATH for the same reason.
 export PYTHONSAFEPATH=1
-exec "$VENV/bin/python" -P -m pytest -ra "$@"
+# --durations: the slowest tests, so that a suite growing past its time budget says where.
+exec "$VENV/bin/python" -P -m pytest -ra --durations=40 "$@"
