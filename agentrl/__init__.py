@@ -3,7 +3,9 @@
 This folder holds the applications, which wire the components together, and agentrl.common:
 
     cli.py        `agentrl COMMAND ...`: one entry point, a subcommand per component or application
-    train.py      `agentrl train`: the supervisor (phases, time budget, main)
+    train.py      `agentrl train`: the supervisor (the run's state and processes, main);
+                  phases/ its phases, budget.py its time-budget rules, summary.py its JSON line,
+                  launch/ where its processes go
     runconfig.py  the run config tree, resolved from layers and checked across components
     evaluate.py   `agentrl eval` / `agentrl rollout`;  export.py `agentrl export`
     progress.py   status line, progress bar, TensorBoard / W&B of a run;  report.py report.md and plots

@@ -52,7 +52,7 @@ def finish_run(out: Path, phases: dict, supervisor, *, started: float) -> dict:
         "minutes": round((time.time() - started) / 60, 2),
         "minutes_after_setup": round((time.time() - started - supervisor.setup_s - supervisor.diagnostic_s) / 60, 2),
         "setup_minutes": round(supervisor.setup_s / 60, 2),
-        "eval_minutes": round(evaluation_seconds(supervisor.evals) / 60, 2),
+        "eval_minutes": round(evaluation_seconds(supervisor.evaluations.summaries) / 60, 2),
         "sft_minutes": round(sft.get("sft_s", 0.0) / 60, 2),
         "rl_minutes": round(rl.get("rl_s", 0.0) / 60, 2),
         "diagnostic_minutes": round(supervisor.diagnostic_s / 60, 2),

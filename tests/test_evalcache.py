@@ -81,7 +81,9 @@ def test_an_entry_is_read_only_under_its_own_key(model, tmp_path):
 
 
 async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_again(model, tmp_path, monkeypatch):
-    import agentrl.train as train
+    import agentrl.phases.baseline as baseline
+    import agentrl.phases.evaluations as evaluations
+    from agentrl.phases.baseline import baseline_cache, baseline_phase
 
     calls: list[str] = []
     failed_episodes = 0
@@ -96,9 +98,9 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
         return {"naive_rag": ({"label": "naive_rag", "score": 0.25, "score_metric": "em", "n": 8, "served_version": 0,
                                "eval_s": 64.0, "time": 1.0, "num_failed": 0}, [])}
 
-    monkeypatch.setattr(train, "evaluate", fake_evaluate)
-    monkeypatch.setattr(train, "evaluate_baselines", fake_baselines)
-    monkeypatch.setattr(Supervisor, "_prompt", lambda self: {"system_prompt": "You answer questions."})
+    monkeypatch.setattr(evaluations, "evaluate", fake_evaluate)
+    monkeypatch.setattr(baseline, "evaluate_baselines", fake_baselines)
+    monkeypatch.setattr(Supervisor, "prompt", lambda self: {"system_prompt": "You answer questions."})
     config = TrainConfig()
     config.eval.cache_dir = str(tmp_path / "cache")
 
@@ -106,7 +108,7 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
         supervisor = Supervisor(config, tmp_path / name)
         (tmp_path / name).mkdir()
         supervisor.model_dir = str(model)
-        supervisor.conn = SimpleNamespace(env=SimpleNamespace(report_by=()), chat=None)
+        supervisor.conn = supervisor.evaluations.conn = SimpleNamespace(env=SimpleNamespace(report_by=()), chat=None)
         # Each run writes its own copy of the corpus (as the synthetic loader does): same contents, same key.
         (tmp_path / name / "corpus.jsonl").write_text(corpus_text)
         supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[], corpus=tmp_path / name / "corpus.jsonl")
@@ -115,42 +117,42 @@ async def test_a_second_run_reads_the_baselines_and_another_model_evaluates_agai
     corpus_text = '{"id": "1", "text": "Oska Venn was born in Lorrowby."}\n'
 
     first = run("first")
-    await first._baseline_phase()
+    await baseline_phase(first)
     assert calls == ["base_tool_call", "naive_rag"] and "cached" not in first.phases["baseline"]
     second = run("second")
-    await second._baseline_phase()
+    await baseline_phase(second)
     assert calls == ["base_tool_call", "naive_rag"]  # nothing evaluated
     assert second.phases["baseline"]["base_tool_call"]["score"] == 0.125
     assert second.phases["baseline"]["baselines"]["naive_rag"]["score"] == 0.25
-    assert [e["label"] for e in second.evals] == ["base_tool_call", "naive_rag"] and all(e["cached"] for e in second.evals)
+    assert [e["label"] for e in second.evaluations.summaries] == ["base_tool_call", "naive_rag"] and all(e["cached"] for e in second.evaluations.summaries)
     assert (tmp_path / "second" / "evals" / "base_tool_call-v0.jsonl").is_file()
     assert json.loads((tmp_path / "second" / "phases.json").read_text())["baseline"]["cached"]
     # Other weights: evaluated again, never the first model's result.
     (model / "model.safetensors").write_bytes(b"\x01" * 64)
     third = run("third")
-    await third._baseline_phase()
+    await baseline_phase(third)
     assert calls == ["base_tool_call", "naive_rag"] * 2 and "cached" not in third.phases["baseline"]
     # Another search corpus behind the same questions: evaluated again.
     corpus_text = '{"id": "1", "text": "Oska Venn was born in Tessat."}\n'
-    await run("fourth")._baseline_phase()
+    await baseline_phase(run("fourth"))
     assert calls == ["base_tool_call", "naive_rag"] * 3
     # A result with failed episodes is not kept: the next run evaluates again.
     corpus_text = '{"id": "1", "text": "Oska Venn was born in Marrow."}\n'
     failed_episodes = 2
-    await run("fifth")._baseline_phase()
+    await baseline_phase(run("fifth"))
     failed_episodes = 0
-    await run("sixth")._baseline_phase()
+    await baseline_phase(run("sixth"))
     assert calls == ["base_tool_call", "naive_rag"] * 5
     # Switched off, or with servers or tools the run did not start: never read.
     config.eval.cache_baselines = False
-    assert run("off")._baseline_cache() is None
+    assert baseline_cache(run("off")) is None
     config.eval.cache_baselines = True
-    assert run("on")._baseline_cache() is not None
+    assert baseline_cache(run("on")) is not None
     config.services.tool_endpoints = ["tcp://10.0.0.2:5555"]
-    assert run("endpoint")._baseline_cache() is None
+    assert baseline_cache(run("endpoint")) is None
     config.services.tool_endpoints = []
     config.services.vllm = ["http://127.0.0.1:8000"]
-    assert run("given")._baseline_cache() is None
+    assert baseline_cache(run("given")) is None
 
 
 def test_a_model_folder_is_read_again_only_when_its_files_change(model, tmp_path, monkeypatch):

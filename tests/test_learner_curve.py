@@ -284,8 +284,8 @@ def _supervisor(tmp_path, learner: LearnerConfig):
 
 def test_without_keys_the_supervisor_makes_none_and_passes_none(tmp_path):
     supervisor = _supervisor(tmp_path, LearnerConfig())
-    _, path, data = supervisor._learner_config("rl", {})
-    learner, actor = read_toml(path), read_toml(supervisor._actor_config(data))
+    _, path, data = supervisor.learner_config("rl", {})
+    learner, actor = read_toml(path), read_toml(supervisor.actor_config(data))
     assert learner["transport"]["group_endpoint"].startswith("tcp://127.0.0.1:")
     assert not any(k.startswith("curve") for k in (*learner, *learner["transport"], *actor))
     assert not (tmp_path / "run" / "curve").exists()
@@ -296,9 +296,9 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     run's own; the actor TOML gets the learner's public half and the run's client key; and those two
     files work against each other over real sockets."""
     supervisor = _supervisor(tmp_path, learner_config(keys))
-    _, path, data = supervisor._learner_config("rl", {})
+    _, path, data = supervisor.learner_config("rl", {})
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
-    actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
+    actor = build(ActorConfig, read_toml(supervisor.actor_config(data)))
     curve = tmp_path / "run" / "curve"
     assert learner.transport.curve_secret_key_file == keys.server_secret
     assert sorted(p.name for p in Path(learner.transport.curve_authorized_clients_dir).iterdir()) == ["actor.key", "agentrl-run.key"]
@@ -314,7 +314,7 @@ async def test_keys_in_learner_reach_the_actor_and_the_learners_admit_the_run(ke
     finally:
         await sender.close()
         await receiver.close()
-    assert supervisor._learner_config("sft", {})[2]["transport"]["curve_authorized_clients_dir"] == learner.transport.curve_authorized_clients_dir
+    assert supervisor.learner_config("sft", {})[2]["transport"]["curve_authorized_clients_dir"] == learner.transport.curve_authorized_clients_dir
 
 
 async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_clients_get_through(tmp_path):
@@ -335,9 +335,9 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
     (tmp_path / "run").mkdir()
     supervisor.model_dir = str(tmp_path / "model")
     supervisor.services = Services(vllm_urls=[f"http://{host}:9"])
-    _, path, data = supervisor._learner_config("rl", {})
+    _, path, data = supervisor.learner_config("rl", {})
     learner = build(LearnerConfig, read_toml(path), default_source=str(path))
-    actor = build(ActorConfig, read_toml(supervisor._actor_config(data)))
+    actor = build(ActorConfig, read_toml(supervisor.actor_config(data)))
     curve = tmp_path / "run" / "curve"
     assert learner.transport.group_endpoint.startswith(f"tcp://{host}:") and learner.transport.version_endpoint.startswith(f"tcp://{host}:")
     assert learner.transport.curve_secret_key_file == str(curve / "agentrl-run-learner.key_secret")
@@ -362,7 +362,7 @@ async def test_off_loopback_the_run_provisions_the_learners_keys_and_only_its_cl
         await sender.close()
         await receiver.close()
     # A second call (the SFT phase, a resumed run) keeps the same keys.
-    assert supervisor._learner_config("sft", {})[2]["transport"]["curve_secret_key_file"] == learner.transport.curve_secret_key_file
+    assert supervisor.learner_config("sft", {})[2]["transport"]["curve_secret_key_file"] == learner.transport.curve_secret_key_file
 
 
 def test_run_config_keys_go_in_learner_not_sft_learner(keys, tmp_path):

@@ -73,27 +73,27 @@ def test_supervisor_keeps_the_evaluation_history_and_reads_it_back_on_resume(tmp
     config = TrainConfig()
     first = Supervisor(config, tmp_path)
     first.deadline = 1000.0
-    first._log_eval(_summary("base_tool_call", 200.0))
-    first._log_eval(_summary("sft", 80.0))
-    first._log_eval(_summary("rl", 300.0))
+    first.log_eval(_summary("base_tool_call", 200.0))
+    first.log_eval(_summary("sft", 80.0))
+    first.log_eval(_summary("rl", 300.0))
     assert first.deadline == 1000.0  # in the budget: nothing is added back
-    assert first._final_eval_reserve_s() == pytest.approx(1.25 * 80.0 + 30.0)
+    assert first.final_eval_reserve_s() == pytest.approx(1.25 * 80.0 + 30.0)
     assert [json.loads(line)["label"] for line in (tmp_path / "evals.jsonl").read_text().splitlines()] == [
         "base_tool_call", "sft", "rl"]
 
     resumed = Supervisor(config, tmp_path, resume=True)
-    assert [e["label"] for e in resumed.evals] == ["base_tool_call", "sft", "rl"]
-    assert resumed._final_eval_reserve_s() == pytest.approx(1.25 * 80.0 + 30.0)
-    assert Supervisor(config, tmp_path).evals == []  # a fresh run does not inherit an old history
+    assert [e["label"] for e in resumed.evaluations.summaries] == ["base_tool_call", "sft", "rl"]
+    assert resumed.final_eval_reserve_s() == pytest.approx(1.25 * 80.0 + 30.0)
+    assert Supervisor(config, tmp_path).evaluations.summaries == []  # a fresh run does not inherit an old history
 
     config.eval.in_budget = False
     outside = Supervisor(config, tmp_path / "outside")
     (tmp_path / "outside").mkdir()
     outside.deadline = 1000.0
-    outside._log_eval(_summary("sft", 80.0))
-    outside._log_eval(_summary("rl", 300.0))
+    outside.log_eval(_summary("sft", 80.0))
+    outside.log_eval(_summary("rl", 300.0))
     assert outside.deadline == 1080.0
-    assert outside._final_eval_reserve_s() == 0.0
+    assert outside.final_eval_reserve_s() == 0.0
 
 
 def test_a_damaged_evaluation_history_is_named_on_resume(tmp_path):
@@ -133,8 +133,7 @@ def test_the_sft_learner_trains_the_demonstrations_at_temperature_1_whatever_rl_
     (at 0.7 the default's SFT checkpoint lost every 2-hop question)."""
     from agentrl.common.config import layer, to_dict
     from agentrl.learner.config import LearnerConfig
-    from agentrl.runconfig import load_run_config
-    from agentrl.train import sft_learner_overrides
+    from agentrl.runconfig import load_run_config, sft_learner_overrides
 
     def sft_learner(sets):
         config = load_run_config(None, sets).config
@@ -214,15 +213,16 @@ class _FakePool:
 def _fake_supervisor(tmp_path, version: int, monkeypatch, calls: list):
     from types import SimpleNamespace
 
-    import agentrl.train as train
+    import agentrl.phases.evaluations as evaluations
 
     async def fake_evaluate(conn, tasks, label, env=None, episodes=None, on_progress=None):
         calls.append(label)
         return {**_summary(label, 50.0), "served_version": version, "harness": "native"}, []
 
-    monkeypatch.setattr(train, "evaluate", fake_evaluate)
+    monkeypatch.setattr(evaluations, "evaluate", fake_evaluate)
     supervisor = Supervisor(TrainConfig(), tmp_path)
-    supervisor.conn = SimpleNamespace(pool=_FakePool(version), env=SimpleNamespace(report_by=()), chat=None)
+    supervisor.conn = supervisor.evaluations.conn = SimpleNamespace(pool=_FakePool(version), env=SimpleNamespace(report_by=()),
+                                                                    chat=None)
     supervisor.heldout, supervisor.taskset = [], SimpleNamespace(transfer=[])
     return supervisor
 
@@ -230,23 +230,23 @@ def _fake_supervisor(tmp_path, version: int, monkeypatch, calls: list):
 async def test_an_evaluation_of_an_unchanged_policy_is_not_run_again(tmp_path, monkeypatch):
     calls: list[str] = []
     supervisor = _fake_supervisor(tmp_path, 25, monkeypatch, calls)
-    sft, trajs = await supervisor._evaluate_policy("sft")
-    supervisor._log_eval(sft, trajs)
+    sft, trajs = await supervisor.evaluations.of_policy("sft")
+    supervisor.log_eval(sft, trajs)
     assert calls == ["sft"] and (tmp_path / "evals" / "sft-v25.jsonl").is_file()
     # The served version is still 25 (RL made no step): the final evaluation reuses the SFT one.
-    final, trajs = await supervisor._evaluate_policy("final")
+    final, trajs = await supervisor.evaluations.of_policy("final")
     assert calls == ["sft"] and trajs is None
     assert final["label"] == "final" and final["repeat_of"] == "sft" and final["score"] == sft["score"]
     assert (tmp_path / "evals" / "final-v25.jsonl").read_text() == (tmp_path / "evals" / "sft-v25.jsonl").read_text()
     # Another served version is evaluated.
     supervisor.conn.pool.version = 26
-    await supervisor._evaluate_policy("final")
+    await supervisor.evaluations.of_policy("final")
     assert calls == ["sft", "final"]
     # A resumed run's evaluations were another server's: its fresh server at version 26 is evaluated.
     resumed = _fake_supervisor(tmp_path, 26, monkeypatch, calls)
-    resumed.evals = supervisor.evals
-    resumed.first_eval_of_this_process = len(resumed.evals)
-    await resumed._evaluate_policy("final")
+    resumed.evaluations.summaries = supervisor.evaluations.summaries
+    resumed.evaluations.first_of_this_process = len(resumed.evaluations.summaries)
+    await resumed.evaluations.of_policy("final")
     assert calls == ["sft", "final", "final"]
 
 
@@ -256,9 +256,11 @@ async def test_an_rl_phase_without_time_is_skipped_with_the_warning(tmp_path, mo
     calls: list[str] = []
     supervisor = _fake_supervisor(tmp_path, 25, monkeypatch, calls)
     supervisor.config.minutes = 28.0
-    supervisor._log_eval(_summary("sft", 100.0))
+    supervisor.log_eval(_summary("sft", 100.0))
     supervisor.deadline = time.monotonic() + 170.0  # the final evaluation's reserve is 155 s
-    await supervisor._rl_phase()
+    from agentrl.phases.rl import rl_phase
+
+    await rl_phase(supervisor)
     out = capsys.readouterr().out
     assert "warning: the RL phase gets 0.2 minutes, less than rl_min_share = 0.4" in out
     assert "RL phase skipped" in out
@@ -274,15 +276,17 @@ async def test_an_sft_phase_without_time_is_skipped_before_a_learner_starts(tmp_
     supervisor.config.learner.anchor.coef = 0.0
     supervisor.config.minutes = 28.0
 
-    async def demonstrations():
+    import agentrl.phases.sft as sft
+
+    async def demonstrations(sup):
         return ["a demonstration"], "test"
 
-    monkeypatch.setattr(supervisor, "_demonstrations", demonstrations)
-    supervisor._log_eval(_summary("base_tool_call", 100.0))
+    monkeypatch.setattr(sft, "demonstrations", demonstrations)
+    supervisor.log_eval(_summary("base_tool_call", 100.0))
     # 0.4 x 28 minutes for RL and 2 x 155 s for the SFT and final evaluations: 982 s; 60 s more is
     # less than the 90 s a learner needs.
     supervisor.deadline = time.monotonic() + 0.4 * 28 * 60 + 2 * 155.0 + 60.0
-    await supervisor._sft_phase()
+    await sft.sft_phase(supervisor)
     assert "SFT cold start skipped: " in capsys.readouterr().out
     assert supervisor.phases["sft"] == {"skipped": "no time left"} and not supervisor.procs and not calls
 
@@ -293,7 +297,8 @@ async def test_a_baseline_on_a_subset_is_never_reused_as_the_sft_or_final_evalua
     from types import SimpleNamespace
 
     supervisor = Supervisor(TrainConfig(), tmp_path)
-    supervisor.heldout = ["t"] * 64
+    evaluations = supervisor.evaluations
+    evaluations.heldout = ["t"] * 64
 
     async def weight_versions():
         return {"http://server": 0}
@@ -304,11 +309,11 @@ async def test_a_baseline_on_a_subset_is_never_reused_as_the_sft_or_final_evalua
         ran.append(label)
         return {**_summary(label, 10.0), "n": len(tasks)}, []
 
-    supervisor.conn = SimpleNamespace(pool=SimpleNamespace(weight_versions=weight_versions))
-    supervisor._evaluate = evaluate
-    supervisor.evals = [{**_summary("base_tool_call", 50.0), "n": 16, "subset_of": 64}]
-    summary, _ = await supervisor._evaluate_policy("final")
+    evaluations.conn = SimpleNamespace(pool=SimpleNamespace(weight_versions=weight_versions))
+    evaluations.run = evaluate
+    evaluations.summaries = [{**_summary("base_tool_call", 50.0), "n": 16, "subset_of": 64}]
+    summary, _ = await evaluations.of_policy("final")
     assert ran == ["final"] and summary["n"] == 64
-    supervisor.evals = [{**_summary("base_tool_call", 50.0), "n": 64}]  # the whole set: reused
-    summary, trajectories = await supervisor._evaluate_policy("final")
+    evaluations.summaries = [{**_summary("base_tool_call", 50.0), "n": 64}]  # the whole set: reused
+    summary, trajectories = await evaluations.of_policy("final")
     assert ran == ["final"] and trajectories is None and summary["repeat_of"] == "base_tool_call"
