@@ -90,6 +90,11 @@ class ServicesConfig:
     """Replicas of the search service to start (>= 1)."""
     vllm_server: ServingConfig = field(default_factory=lambda: ServingConfig())
     """How a vLLM server started here serves (not used with `vllm` URLs)."""
+    vllm_replicas: int = 1
+    """vLLM servers to start (>= 1; not with `vllm` URLs), each serving the whole policy: episodes are
+    spread over them (the actor's server pool), every weight push goes to all of them. Under the
+    Ray launcher each goes to its own node of the inference kind where there are enough
+    (`[cluster.inference]`: spread)."""
     max_learner_restarts: int = 3
     """A learner that dies is restarted (it resumes from its checkpoint) at most this many times."""
     max_tool_restarts: int = 10
@@ -115,6 +120,11 @@ class ServicesConfig:
             _check_endpoint(endpoint, "tool_endpoints")
         if self.search_replicas < 1:
             raise ValueError(f"search_replicas: {self.search_replicas} must be >= 1")
+        if self.vllm_replicas < 1:
+            raise ValueError(f"vllm_replicas: {self.vllm_replicas} must be >= 1")
+        if self.vllm and self.vllm_replicas != 1:
+            raise ValueError(f"vllm_replicas = {self.vllm_replicas} starts servers, and `vllm` names running ones "
+                             f"({', '.join(self.vllm)}): the run uses those and starts none; drop one of the two")
         if self.max_learner_restarts < 0:
             raise ValueError(f"max_learner_restarts: {self.max_learner_restarts} must be >= 0")
         if self.max_server_restarts < 0 or self.max_tool_restarts < 0:
@@ -274,7 +284,8 @@ class Services:
     local: list[ToolSource] = field(default_factory=list)
     """In-process tools (functions, MCP servers), built in each process that connects."""
     procs: list = field(default_factory=list)
-    vllm_server: object | None = None
+    vllm_servers: list = field(default_factory=list)
+    """The launcher's slots of the vLLM servers started here (none with given `vllm` URLs)."""
     vllm_model: str = ""
     """The `model` requests to the servers name: the policy adapter's name when they serve it with
     vLLM's LoRA path (`vllm_server.lora = "vllm"`); empty: the servers' base model."""
@@ -282,7 +293,7 @@ class Services:
     def exited(self) -> list[tuple[Any, int]]:
         """The processes started here that are no longer running, with their exit codes (a slot whose
         host was lost reads the launcher's code for that)."""
-        started = [*self.procs, *([self.vllm_server] if self.vllm_server is not None else [])]
+        started = [*self.procs, *self.vllm_servers]
         return [(slot, code) for slot in started if (code := slot.poll()) is not None]
 
     def move(self, old: str, new: str) -> None:
@@ -301,8 +312,8 @@ class Services:
         """Stop what was started here, by PID (given endpoints are left running)."""
         for proc in reversed(self.procs):
             proc.stop(timeout_s=10)
-        if self.vllm_server is not None:
-            self.vllm_server.stop()
+        for server in self.vllm_servers:
+            server.stop()
 
 
 def builtin_tools(env_required: tuple[str, ...], config: ServicesConfig, tools: list[ToolSource]) -> list[str]:
@@ -391,12 +402,16 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                                              max_model_len=config.vllm_server.max_model_len,
                                              gpu_memory_utilization=config.vllm_server.gpu_memory_utilization,
                                              kv_cache_gib=config.vllm_server.kv_cache_gib, **lora_args)
-            slot = launcher.place("vllm", "inference")
-            services.vllm_server = slot
-            say(f"starting vLLM server (log {logs / 'vllm.log'}) ...")
-            await asyncio.to_thread(slot.start, VLLMRole("vllm", server_config, str(logs / "vllm.log"), control_token))
-            say(f"vLLM server: {slot.endpoint}{slot.where} (pid {slot.pid})")
-            services.vllm_urls = [slot.endpoint]
+            names = ["vllm"] if config.vllm_replicas == 1 else [f"vllm-{r}" for r in range(config.vllm_replicas)]
+            services.vllm_servers = [launcher.place(name, "inference") for name in names]
+            say(f"starting {len(names)} vLLM server{'s' * (len(names) > 1)} (log {logs / names[0]}.log"
+                f"{', ...' * (len(names) > 1)}) ...")
+            await asyncio.gather(*(asyncio.to_thread(slot.start, VLLMRole(slot.name, server_config, str(logs / f"{slot.name}.log"),
+                                                                         control_token))
+                                   for slot in services.vllm_servers))
+            for slot in services.vllm_servers:
+                say(f"vLLM server: {slot.endpoint}{slot.where} (pid {slot.pid})")
+            services.vllm_urls = [slot.endpoint for slot in services.vllm_servers]
     except BaseException:
         await asyncio.to_thread(services.stop)
         raise

@@ -15,7 +15,7 @@ from agentrl.launch.plan import ClusterConfig, ray_actor_options
 from agentrl.runconfig import load_run_config
 
 
-def test_each_kind_asks_for_its_own_reservation_and_only_tools_spread():
+def test_each_kind_asks_for_its_own_reservation_and_only_replicated_services_spread():
     cluster = build(ClusterConfig, {"tools": {"resource": "agentrl_tools"},
                                     "inference": {"cpus": 4, "gpus": 1, "resource": "agentrl_inference"},
                                     "learner": {"cpus": 8, "gpus": 2}})
@@ -23,9 +23,10 @@ def test_each_kind_asks_for_its_own_reservation_and_only_tools_spread():
     assert tools["resources"] == {"agentrl_tools": 1} and tools["num_cpus"] == 1 and tools["scheduling_strategy"] == "SPREAD"
     inference = ray_actor_options("inference", cluster)
     assert (inference["num_cpus"], inference["num_gpus"], inference["resources"]) == (4, 1, {"agentrl_inference": 1})
+    assert inference["scheduling_strategy"] == "SPREAD"  # services.vllm_replicas servers on different nodes
     learner = ray_actor_options("learner", cluster)
     assert (learner["num_cpus"], learner["num_gpus"], learner["resources"]) == (8, 2, {})
-    assert learner["scheduling_strategy"] == inference["scheduling_strategy"] == "DEFAULT"
+    assert learner["scheduling_strategy"] == ray_actor_options("actor", cluster)["scheduling_strategy"] == "DEFAULT"
     # The supervisor decides about restarts (and where): Ray never restarts a host by itself.
     assert {ray_actor_options(k, cluster)["max_restarts"] for k in ("tools", "inference", "learner", "actor")} == {0}
     with pytest.raises(ValueError, match="unknown role kind 'gpu'"):
@@ -43,6 +44,15 @@ def test_cluster_keys_resolve_from_the_command_line_and_bad_ones_are_refused():
         load_run_config(None, ["cluster.learner.cpus=-1"])
     with pytest.raises(ConfigError, match=r"cluster\.inference\.gpu"):
         load_run_config(None, ["cluster.inference.gpu=1"])  # a typo of `gpus`
+
+
+def test_several_vllm_servers_are_asked_for_by_count_and_never_beside_given_ones():
+    assert load_run_config(None, ["services.vllm_replicas=2"]).config.services.vllm_replicas == 2
+    assert load_run_config(None, []).config.services.vllm_replicas == 1
+    with pytest.raises(ConfigError, match=r"vllm_replicas: 0 must be >= 1"):
+        load_run_config(None, ["services.vllm_replicas=0"])
+    with pytest.raises(ConfigError, match=r"services.vllm_replicas: 2 starts servers, and `vllm` names running ones"):
+        load_run_config(None, ["services.vllm_replicas=2", 'services.vllm=["http://10.0.0.2:8000"]'])
 
 
 def test_the_host_that_starts_a_role_fills_its_address_and_ports():

@@ -4,7 +4,8 @@ One run covers what CI must guard: the supervisor starts two search replicas, a 
 SFT learner, then the RL learner and the actor; the test SIGKILLs one search replica and the RL
 learner mid-run: the run restarts the learner (which resumes from its checkpoint and spool). Then
 it SIGKILLs `agentrl train` itself: within 10 s no process of the run may be left (the watchdog),
-and `--resume` must finish the run and print its JSON line. The final ledger must show every group
+and `--resume` must finish the run (with two vLLM servers, `services.vllm_replicas`: both take the
+learner's weights and serve episodes) and print its JSON line. The final ledger must show every group
 trained exactly once: the metrics of the surviving lineage list each group id at one step only,
 and those are the ledger's groups.
 """
@@ -160,13 +161,20 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     # --resume finishes the run (a shorter budget for what is left), from the other "host": nothing
     # it needs may live in the first one's working directory or HOME (the model is prepared again
     # in the new HOME; the checkpoints, spool, ledger and anchor are in the run directory).
-    resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", "../host_a/run", "--set", "minutes=2.5"],
+    # It resumes with two vLLM servers (services.vllm_replicas) where the run had one.
+    resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", "../host_a/run", "--set", "minutes=2.5",
+                              "--set", "services.vllm_replicas=2"],
                              capture_output=True, text=True, timeout=1500, cwd=host_b,
                              env={**{k: v for k, v in os.environ.items() if k != "AGENTRL_CACHE"}, "HOME": str(home_b)})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     summary["report"], summary["hf"] = str((host_b / summary["report"]).resolve()), str((host_b / summary["hf"]).resolve())
     assert (home_b / ".cache" / "agentrl" / "models").is_dir()
+    servers = [line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("vLLM server: ")]
+    assert len(set(servers)) == 2, resumed.stdout[-3000:]
+    for log in ("vllm-0.log", "vllm-1.log"):  # each took the learner's weights and served episodes
+        text = (out / "logs" / log).read_text()
+        assert "Reloading weights inplace" in text and re.search(r"Running: [1-9]\d* reqs", text), log
     assert summary["optimizer_steps"] >= 2 + 2  # SFT steps + RL steps across the restart
     assert summary["episodes"] > 0
     assert Path(summary["report"]).is_file()

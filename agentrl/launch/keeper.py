@@ -33,8 +33,9 @@ class ServiceKeeper:
     async def check(self) -> None:
         """A service the run started that exited is started again (`start_again`)."""
         for slot, code in self.services.exited():
-            if slot is self.services.vllm_server:
-                self.services.vllm_server = await self.start_again(slot, code, "inference")
+            servers = self.services.vllm_servers
+            if slot in servers:
+                servers[servers.index(slot)] = await self.start_again(slot, code, "inference")
             else:
                 self.services.procs[self.services.procs.index(slot)] = await self.start_again(slot, code, "tools")
 
@@ -49,7 +50,7 @@ class ServiceKeeper:
         server = kind == "inference"
         key = "max_server_restarts" if server else "max_tool_restarts"
         limit, done = getattr(self.config, key), self.restarts[kind]
-        what = "the vLLM server" if server else "tool service " + slot.name
+        what = ("the vLLM server" + ("" if slot.name == "vllm" else " " + slot.name)) if server else "tool service " + slot.name
         why = f"{what}{slot.where} exited with {code} (log {slot.log_path})"
         resume = f"`agentrl train --resume {self.out}` continues the run"
         if done >= limit:

@@ -51,7 +51,8 @@ class ClusterConfig:
     tools: RoleResources = field(default_factory=RoleResources)
     """Each tool service replica; replicas of one service are spread over the nodes that offer these."""
     inference: RoleResources = field(default_factory=RoleResources)
-    """Each vLLM server (with its own multiprocessing executor inside its reservation)."""
+    """Each vLLM server (with its own multiprocessing executor inside its reservation); several
+    (`services.vllm_replicas`) are spread over the nodes that offer these."""
     learner: RoleResources = field(default_factory=RoleResources)
     """The learner process (one rank)."""
     actor: RoleResources = field(default_factory=RoleResources)
@@ -71,7 +72,8 @@ def ray_actor_options(kind: str, cluster: ClusterConfig) -> dict:
         "num_cpus": wants.cpus,
         "num_gpus": wants.gpus,
         "resources": {wants.resource: 1} if wants.resource else {},
-        "scheduling_strategy": "SPREAD" if kind == "tools" else "DEFAULT",
+        # Replicas of a service (tool replicas, vLLM servers) on different nodes where there are enough.
+        "scheduling_strategy": "SPREAD" if kind in ("tools", "inference") else "DEFAULT",
         "max_restarts": 0,  # the supervisor decides what is restarted, and where
         "max_concurrency": 4,  # poll and log_tail answer while a start is still waiting for READY
     }
