@@ -357,6 +357,11 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
             problems.append(f"{at('learner', 'trainer', 'lora', 'rank')} = {lora.rank} is above the server's max LoRA rank "
                             f"{largest} ({at('services', 'vllm_server', 'max_lora_rank')}): it would refuse every push; "
                             f"lower the rank, or raise max_lora_rank to one of {[r for r in VLLM_MAX_LORA_RANKS if r >= lora.rank]}")
+    if config.cluster.learner.ranks > 1 and config.learner.anchor.coef > 0:
+        problems.append(f"{at('cluster', 'learner', 'ranks')} = {config.cluster.learner.ranks} runs the learner under "
+                        f"torchrun, and {at('learner', 'anchor', 'coef')} = {config.learner.anchor.coef} trains in one "
+                        "learner process only (the ranks do not share the anchor's demonstrations yet): set "
+                        "learner.anchor.coef = 0, or ranks = 1")
     if config.learner.trainer.max_row_tokens < config.env.max_total_tokens:
         problems.append(f"{at('learner', 'trainer', 'max_row_tokens')}: {config.learner.trainer.max_row_tokens} cannot "
                         f"hold the longest episode (env.max_total_tokens = {config.env.max_total_tokens}); raise it")

@@ -96,7 +96,7 @@ def make_launcher(config: TrainConfig, out: Path):
         return RayLauncher(config.cluster, out)
     from agentrl.engine.roles import LocalLauncher
 
-    return LocalLauncher(config.network.host)
+    return LocalLauncher(config.network.host, learner_ranks=config.cluster.learner.ranks)
 
 
 class Supervisor:

@@ -142,6 +142,17 @@ def agentrl_argv(*args: str) -> tuple[str, ...]:
     return (sys.executable, "-P", "-m", "agentrl.cli", *args)
 
 
+def torchrun_argv(argv: tuple[str, ...], *, nnodes: int, node_rank: int, nproc_per_node: int, master_addr: str,
+                  master_port: int) -> tuple[str, ...]:
+    """`argv` (`python -P -m MODULE ARGS`) as one torchrun agent of a static rendezvous: `nnodes`
+    agents of `nproc_per_node` ranks each, this one `node_rank`, rank 0 at MASTER_ADDR:MASTER_PORT."""
+    if len(argv) < 4 or argv[1:3] != ("-P", "-m"):
+        raise ValueError(f"not a `python -P -m MODULE` command line: {argv}")
+    return (argv[0], "-P", "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "static", "--master-addr", master_addr,
+            "--master-port", str(master_port), "-m", *argv[3:])
+
+
 HOST_LOST = -1000
 """`poll()` of a slot whose host is gone (a launcher's node lost, or its host actor killed); a
 process on this host never reads so."""
@@ -199,14 +210,34 @@ class LocalSlot:
         return self.running.log_tail(num_lines) if self.running else "(not started)"
 
 
+class LocalRanksSlot(LocalSlot):
+    """A place on this host for a role of several torchrun ranks (the learner's, `cluster.learner.ranks`):
+    its `python -P -m ...` command line is started as one torchrun agent of `ranks` local ranks."""
+
+    def __init__(self, name: str, host: str, ranks: int):
+        super().__init__(name, host)
+        self.ranks = ranks
+
+    def start(self, role: Role) -> LocalSlot:
+        from agentrl.engine.serve import free_port
+
+        argv = torchrun_argv(role.argv, nnodes=1, node_rank=0, nproc_per_node=self.ranks, master_addr=self.host,
+                             master_port=free_port(self.host))
+        return super().start(replace(role, argv=argv))
+
+
 class LocalLauncher:
     name = "local"
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = "127.0.0.1", *, learner_ranks: int = 1):
         self.host = host
         """The address every role binds (`[network] host`)."""
+        self.learner_ranks = learner_ranks
+        """torchrun ranks of each learner (`cluster.learner.ranks`)."""
 
     def place(self, name: str, kind: str) -> LocalSlot:
+        if kind == "learner" and self.learner_ranks > 1:
+            return LocalRanksSlot(name, self.host, self.learner_ranks)
         return LocalSlot(name, self.host)
 
     def close(self) -> None:

@@ -55,6 +55,37 @@ def test_several_vllm_servers_are_asked_for_by_count_and_never_beside_given_ones
         load_run_config(None, ["services.vllm_replicas=2", 'services.vllm=["http://10.0.0.2:8000"]'])
 
 
+def test_learner_ranks_are_bundles_of_one_placement_group_and_torchrun_agents():
+    from agentrl.engine.roles import LocalRanksSlot, torchrun_argv
+    from agentrl.launch.plan import placement_bundles
+
+    config = load_run_config(None, ["cluster.learner.ranks=2", "cluster.learner.strategy=\"STRICT_SPREAD\"",
+                                    "cluster.learner.resource=\"agentrl_learner\"", "learner.anchor.coef=0.0"]).config
+    wants = config.cluster.learner
+    assert (wants.ranks, wants.strategy) == (2, "STRICT_SPREAD")
+    assert placement_bundles(wants, wants.ranks) == [{"CPU": 1.0, "agentrl_learner": 1}] * 2
+    assert placement_bundles(build(ClusterConfig, {"learner": {"cpus": 0, "gpus": 1}}).learner, 1) == [{"GPU": 1}]
+    argv = torchrun_argv(agentrl_argv("learner", "--config", "l.toml"), nnodes=2, node_rank=1, nproc_per_node=1,
+                         master_addr="10.0.0.1", master_port=29500)
+    assert argv[:4] == (sys.executable, "-P", "-m", "torch.distributed.run") and argv[-5:] == ("-m", "agentrl.cli", "learner",
+                                                                                            "--config", "l.toml")
+    options = dict(zip(argv[4:-5:2], argv[5:-5:2], strict=True))
+    assert options == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "1", "--rdzv-backend": "static",
+                       "--master-addr": "10.0.0.1", "--master-port": "29500"}
+    with pytest.raises(ValueError, match="not a `python -P -m MODULE` command line"):
+        torchrun_argv(("learner",), nnodes=1, node_rank=0, nproc_per_node=2, master_addr="h", master_port=1)
+    assert isinstance(LocalLauncher("127.0.0.1", learner_ranks=2).place("learner-rl", "learner"), LocalRanksSlot)
+    assert not isinstance(LocalLauncher("127.0.0.1", learner_ranks=2).place("actor", "actor"), LocalRanksSlot)
+    with pytest.raises(ConfigError, match=r"cluster\.learner\.ranks: 0 must be >= 1"):
+        load_run_config(None, ["cluster.learner.ranks=0"])
+    with pytest.raises(ConfigError, match=r"a placement group has no empty bundles"):
+        load_run_config(None, ["cluster.learner.ranks=2", "cluster.learner.cpus=0", "learner.anchor.coef=0.0"])
+    with pytest.raises(ConfigError, match=r"cluster\.learner\.strategy"):
+        load_run_config(None, ["cluster.learner.strategy=\"RANDOM\""])
+    with pytest.raises(ConfigError, match=r"learner\.anchor\.coef = 0\.\d+ trains in one learner process only"):
+        load_run_config(None, ["cluster.learner.ranks=2", "learner.anchor.coef=0.3"])
+
+
 def test_the_host_that_starts_a_role_fills_its_address_and_ports():
     argv = fill_argv(("serve", "--bind", "{bind}", "--also", "{bind}", "--host", "{host}"), "127.0.0.1")
     binds = [argv[2], argv[4]]

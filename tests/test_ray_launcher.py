@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -327,4 +328,103 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
         assert f"agentrl train --resume {out}" in text and "could not be started again" in text
         assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
     finally:
+        cluster.shutdown()
+
+
+def _learner_toml(path: Path, run_dir: Path, model_dir: Path, transport: dict) -> None:
+    from agentrl.common.config import dump_toml
+
+    # One group = 2 samples x 25 tokens; 100 tokens a step: 2 groups, each rank 2 of the 4 sequences.
+    path.write_text(dump_toml({
+        "output_dir": str(run_dir), "model_dir": str(model_dir), "tokens_per_step": 100, "checkpoint": {"every": 1},
+        "publish": {"every": 0}, "staleness_bound": 100, "transport": transport, "dist_timeout_s": 30.0,
+        "tensorboard": False, "progress_bar": False,
+        "trainer": {"precision": "fp32", "max_row_tokens": 256, "train_layers": 1, "train_embeddings": False}}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_learner_ranks_are_one_placement_group_and_a_lost_rank_node_starts_the_gang_again(tmp_path):
+    """`cluster.learner.ranks = 2`, STRICT_SPREAD: one placement group, a bundle on each of two learner
+    nodes, torchrun on each with a static rendezvous at bundle 0's node, whose rank binds the learner's
+    socket there; both ranks train the groups sent to it. Then rank 1's node is removed: the gang reads
+    as lost, what is left of it is stopped and its group released (`ServiceKeeper.replace_slot`), and a
+    new gang on the surviving node and the spare resumes from the 2-rank checkpoint; every group is
+    trained once."""
+    from support.synthetic import make_group, tiny_llama
+
+    from agentrl.common.curve import load_client_keys
+    from agentrl.common.transport import GroupSender
+    from agentrl.launch.keeper import ServiceKeeper
+    from agentrl.launch.ray_launcher import RayGang
+    from agentrl.learner.config import LearnerConfig
+    from agentrl.learner.metrics import read_metrics
+
+    cluster, nodes = _cluster({name: {"agentrl_learner": 1} for name in ("learner0", "learner1", "spare")})
+    ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
+    model_dir, run_dir, logs = tmp_path / "model", tmp_path / "rl", tmp_path / "logs"
+    tiny_llama(vocab_size=64).save_pretrained(model_dir)
+    groups = [make_group(f"grp-{i:03d}", [1.0, 0.0], prompt_len=5, turns=[(8, 4), (8, 0)], vocab_size=64, seed=i)
+              for i in range(6)]
+    try:
+        config = build(ClusterConfig, {"launcher": "ray", "place_timeout_s": 30,
+                                       "learner": {"resource": "agentrl_learner", "ranks": 2, "strategy": "STRICT_SPREAD"}})
+        launcher = RayLauncher(config, tmp_path)
+        server_keys, client_keys = RunCredentials(tmp_path, host=launcher.host, learner_transport=LearnerConfig().transport,
+                                                  external_vllm=False).learner()
+        keeper = ServiceKeeper(None, launcher, None, tmp_path, tmp_path / "services.json", print)
+
+        def start(gang: RayGang, label: str) -> str:
+            endpoint = gang.free_endpoint()
+            toml = tmp_path / f"learner-{label}.toml"
+            _learner_toml(toml, run_dir, model_dir, {**server_keys, "group_endpoint": endpoint,
+                                                     "version_endpoint": gang.free_endpoint()})
+            gang.start(CommandRole("learner-rl", agentrl_argv("learner", "--config", str(toml)), str(logs / f"learner-{label}.log"),
+                                   env={"OMP_NUM_THREADS": "1"}))
+            return endpoint
+
+        async def send(endpoint: str, batch: list, step: int, gang: RayGang) -> None:
+            sender = GroupSender(endpoint, curve=load_client_keys(client_keys["curve_server_key"], client_keys["curve_client_key"]))
+            await sender.start()
+            try:
+                for group in batch:
+                    await sender.send(group)
+                deadline = time.monotonic() + 240
+                while max([r["step"] for r in _metric_lines(run_dir / "metrics.jsonl")], default=0) < step:
+                    assert gang.poll() is None and time.monotonic() < deadline, gang.log_tail(40)
+                    await asyncio.sleep(0.5)
+            finally:
+                await sender.close()
+
+        gang = launcher.place("learner-rl", "learner")
+        assert isinstance(gang, RayGang) and len({m.node_id for m in gang.members}) == 2
+        assert {m.node_id for m in gang.members} <= {n.node_id for n in nodes.values()}
+        endpoint = start(gang, "first")
+        assert endpoint.startswith(f"tcp://{gang.members[0].host}:")  # bundle 0's node: rank 0 binds there
+        asyncio.run(send(endpoint, groups[:4], 2, gang))
+        rank1_log = (logs / "learner-first-rank1.log").read_text()
+        assert "learner rank 0/2" in (logs / "learner-first.log").read_text() and "learner rank 1/2" in rank1_log
+        assert load_latest_checkpoint(run_dir / "checkpoints")["world_size"] == 2
+        rank0 = [gang.members[0].pid, int(re.search(r"learner rank 0/2 pid (\d+)", (logs / "learner-first.log").read_text())[1])]
+
+        lost = next(name for name, node in nodes.items() if node.node_id == gang.members[1].node_id)
+        cluster.remove_node(nodes[lost])
+        deadline = time.monotonic() + 90
+        while gang.poll() != HOST_LOST and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert gang.poll() == HOST_LOST
+        again = keeper.replace_slot(gang)
+        assert isinstance(again, RayGang) and again is not gang and gang.released
+        assert not _gone_within(rank0, 30), "the lost gang's rank 0 outlived it"
+        survivors = {n.node_id for name, n in nodes.items() if name != lost}
+        assert {m.node_id for m in again.members} == survivors
+        endpoint = start(again, "again")
+        asyncio.run(send(endpoint, groups[4:], 3, again))
+        assert "READY learner step=2" in (logs / "learner-again.log").read_text()
+        again.stop(60)
+        trained = [gid for record in read_metrics(run_dir / "metrics.jsonl") for gid in record["group_ids"]]
+        assert sorted(trained) == sorted(g.group_id for g in groups)
+        launcher.close()
+    finally:
+        ray.shutdown()
         cluster.shutdown()

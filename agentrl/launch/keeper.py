@@ -84,6 +84,7 @@ class ServiceKeeper:
         endpoints stay valid); a new one of `kind` on another node when the host was lost."""
         if slot.poll() != HOST_LOST:
             return slot
+        slot.stop(timeout_s=30)  # what is left of it (a gang's ranks on nodes still there) releases its place
         new = self.launcher.place(slot.name, kind)
         self.say(f"{slot.name}: its node was lost; placed again on node {new.node_id[:12]}")
         return new

@@ -37,6 +37,27 @@ class RoleResources:
 
 
 @config_dataclass
+class LearnerResources(RoleResources):
+    ranks: int = 1
+    """Learner processes, one torchrun rank each (FSDP2 across them: learner/distributed.py); each
+    asks for `cpus`, `gpus` and `resource`. Rank 0 binds the learner's endpoints and pushes the
+    weights. On this host (the local launcher) they are `torchrun --nproc-per-node RANKS`; under Ray,
+    one placement group with a bundle per rank, and torchrun on each bundle's node with a static
+    rendezvous at rank 0's."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How Ray places the ranks' bundles (its placement group strategies): PACK on as few nodes as
+    hold them, STRICT_SPREAD each rank on a node of its own, STRICT_PACK all on one node."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ranks < 1:
+            raise ValueError(f"ranks={self.ranks} must be >= 1")
+        if self.ranks > 1 and not (self.cpus > 0 or self.gpus > 0 or self.resource):
+            raise ValueError(f"ranks={self.ranks}: each rank's bundle must ask for something (cpus, gpus or resource); "
+                             "a placement group has no empty bundles")
+
+
+@config_dataclass
 class ClusterConfig:
     launcher: Literal["local", "ray"] = "local"
     """"local": every process a child of `agentrl train` on this host. "ray": each placed on a node of
@@ -53,8 +74,8 @@ class ClusterConfig:
     inference: RoleResources = field(default_factory=RoleResources)
     """Each vLLM server (with its own multiprocessing executor inside its reservation); several
     (`services.vllm_replicas`) are spread over the nodes that offer these."""
-    learner: RoleResources = field(default_factory=RoleResources)
-    """The learner process (one rank)."""
+    learner: LearnerResources = field(default_factory=LearnerResources)
+    """The learner's ranks."""
     actor: RoleResources = field(default_factory=RoleResources)
     """The actor (orchestrator)."""
 
@@ -77,3 +98,11 @@ def ray_actor_options(kind: str, cluster: ClusterConfig) -> dict:
         "max_restarts": 0,  # the supervisor decides what is restarted, and where
         "max_concurrency": 4,  # poll and log_tail answer while a start is still waiting for READY
     }
+
+
+def placement_bundles(wants: RoleResources, count: int) -> list[dict[str, float]]:
+    """The bundles of a placement group of `count` processes that each ask for `wants` (Ray takes
+    no zero amounts in a bundle)."""
+    bundle = {"CPU": wants.cpus, "GPU": wants.gpus, **({wants.resource: 1} if wants.resource else {})}
+    return [{k: v for k, v in bundle.items() if v > 0} for _ in range(count)]
+

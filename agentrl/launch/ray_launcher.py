@@ -24,8 +24,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agentrl.engine.roles import HOST_LOST, CommandRole, Role, Running, start_role
-from agentrl.launch.plan import ClusterConfig, ray_actor_options
+from agentrl.engine.roles import HOST_LOST, CommandRole, Role, Running, start_role, torchrun_argv
+from agentrl.launch.plan import ClusterConfig, placement_bundles, ray_actor_options
 
 CALL_TIMEOUT_S = 60.0
 """Bound on a call to a host actor other than `start` (a node that stopped answering)."""
@@ -171,10 +171,92 @@ class RaySlot:
         self.released = True
         return code
 
+    def stop_process(self, timeout_s: float) -> int | None:
+        """Stop the role's process and keep the host (to start it again there)."""
+        return None if self.lost else self._call("stop", timeout_s, timeout_s=timeout_s + CALL_TIMEOUT_S)
+
     def log_tail(self, num_lines: int = 30) -> str:
         if self.log_path is not None and self.log_path.exists():  # the run directory: on every node
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         return "(no log)"
+
+
+class RayGang:
+    """The host actors of one role's torchrun ranks (the learner's, `cluster.learner.ranks`), one per
+    bundle of a placement group, seen from the driver as one slot. Bundle 0's node is the role's:
+    its endpoints are free ports there, and its torchrun agent holds the static rendezvous (rank 0,
+    which binds the learner's sockets and pushes the weights). A rank whose node is lost makes the
+    whole gang read as lost (`HOST_LOST`): the ranks cannot go on without it, so the supervisor
+    starts the gang again on a new placement group, from the learner's checkpoint."""
+
+    def __init__(self, name: str, kind: str, members: list[RaySlot], group):
+        self.name, self.kind, self.members, self.group = name, kind, members, group
+        self.host, self.node_id = members[0].host, members[0].node_id
+        self.where = members[0].where + "".join(f", rank {i} on node {m.node_id[:12]}" for i, m in enumerate(members) if i)
+        self.role: Role | None = None
+        self.released = False
+
+    @property
+    def endpoint(self) -> str:
+        return self.members[0].endpoint
+
+    @property
+    def pid(self) -> int | None:
+        return self.members[0].pid
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.members[0].log_path
+
+    def free_endpoint(self) -> str:
+        return self.members[0].free_endpoint()
+
+    def start(self, role: Role) -> RayGang:
+        """Start `role`'s command line as a torchrun agent on every bundle's node (rank i on bundle i);
+        what a dead predecessor left on a node goes first."""
+        from urllib.parse import urlsplit
+
+        if not isinstance(role, CommandRole):
+            raise TypeError(f"{self.name}: torchrun ranks run a command line, not a {type(role).__name__}")
+        for member in self.members:
+            if member.pid is not None and member.poll() is None:
+                member.stop_process(30.0)
+        port = urlsplit(self.free_endpoint().replace("tcp://", "http://", 1)).port
+        self.role = role
+        for i, member in enumerate(self.members):
+            argv = torchrun_argv(role.argv, nnodes=len(self.members), node_rank=i, nproc_per_node=1,
+                                 master_addr=self.host, master_port=port)
+            log_path = role.log_path if i == 0 else str(Path(role.log_path).with_name(f"{Path(role.log_path).stem}-rank{i}.log"))
+            member.start(replace(role, name=role.name if i == 0 else f"{role.name}-rank{i}", argv=argv, log_path=log_path))
+        return self
+
+    def poll(self) -> int | None:
+        """HOST_LOST if any rank's node is lost; else rank 0's exit code, or another rank's failure."""
+        codes = [member.poll() for member in self.members]
+        if HOST_LOST in codes:
+            return HOST_LOST
+        if codes[0] is not None:
+            return codes[0]
+        return next((code for code in codes[1:] if code not in (None, 0)), None)
+
+    def signal(self, sig: int) -> None:
+        for member in self.members:
+            member.signal(sig)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """Stop every rank (rank 0 first: it checkpoints and pushes on SIGTERM), release the host
+        actors and the placement group; rank 0's exit code."""
+        import ray
+
+        if self.released:
+            return None
+        codes = [member.stop(timeout_s) for member in self.members]
+        ray.util.remove_placement_group(self.group)
+        self.released = True
+        return codes[0]
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return self.members[0].log_tail(num_lines)
 
 
 class RayPlacementError(RuntimeError):
@@ -199,11 +281,19 @@ class RayLauncher:
         self._host_class = ray.remote(RoleHost)
         self.slots: list[RaySlot] = []
 
-    def place(self, name: str, kind: str) -> RaySlot:
+    def place(self, name: str, kind: str) -> RaySlot | RayGang:
+        """A host actor for one role of `kind` on a node that offers what `[cluster.KIND]` asks; the
+        learner with `ranks` > 1: a gang of them, one per bundle of a placement group."""
+        if kind == "learner" and self.cluster.learner.ranks > 1:
+            return self._place_gang(name, kind)
+        slot = self._place_host(name, kind, ray_actor_options(kind, self.cluster))
+        self.slots.append(slot)
+        return slot
+
+    def _place_host(self, name: str, kind: str, options: dict, placed_by: str = "") -> RaySlot:
         import ray
         from ray.exceptions import GetTimeoutError
 
-        options = ray_actor_options(kind, self.cluster)
         watchdog_log = str(self.run_dir / "logs" / f"watchdog-{name}.log")
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         actor = self._host_class.options(name=None, **options).remote(watchdog_log)
@@ -211,14 +301,46 @@ class RayLauncher:
             host, node_id = ray.get([actor.address.remote(), actor.node_id.remote()], timeout=self.cluster.place_timeout_s)
         except GetTimeoutError:
             ray.kill(actor)
-            wants = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus", "resources")}
+            wants = placed_by or str({k: v for k, v in options.items() if k in ("num_cpus", "num_gpus", "resources")})
             raise RayPlacementError(
                 f"{name}: no node of the Ray cluster took a {kind} role within {self.cluster.place_timeout_s:.0f} s; it asks "
                 f"for {wants} (cluster.{kind}); the cluster has {ray.cluster_resources()} in all and "
                 f"{ray.available_resources()} free") from None
-        slot = RaySlot(name, kind, actor, host, node_id)
-        self.slots.append(slot)
-        return slot
+        return RaySlot(name, kind, actor, host, node_id)
+
+    def _place_gang(self, name: str, kind: str) -> RayGang:
+        """One placement group of a bundle per rank (`cluster.learner.strategy`), a host actor in each."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        wants = self.cluster.learner
+        bundles = placement_bundles(wants, wants.ranks)
+        group = placement_group(bundles, strategy=wants.strategy)
+        try:
+            ray.get(group.ready(), timeout=self.cluster.place_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(group)
+            raise RayPlacementError(
+                f"{name}: no {wants.strategy} placement of {wants.ranks} ranks within {self.cluster.place_timeout_s:.0f} s; "
+                f"each asks for {bundles[0]} (cluster.{kind}); the cluster has {ray.cluster_resources()} in all and "
+                f"{ray.available_resources()} free") from None
+        options = {k: v for k, v in ray_actor_options(kind, self.cluster).items() if k != "scheduling_strategy"}
+        members = []
+        try:
+            for i in range(wants.ranks):
+                strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
+                members.append(self._place_host(name if i == 0 else f"{name}-rank{i}", kind,
+                                                {**options, "scheduling_strategy": strategy}, placed_by=f"bundle {i}"))
+        except RayPlacementError:
+            for member in members:
+                member.stop()
+            remove_placement_group(group)
+            raise
+        gang = RayGang(name, kind, members, group)
+        self.slots.append(gang)
+        return gang
 
     def close(self) -> None:
         """Stop every role still running and release the host actors (and Ray, if this started it)."""
