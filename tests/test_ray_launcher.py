@@ -2,14 +2,17 @@
 per node on this machine, a head with no CPUs so that nothing runs there by accident).
 
 1. Placement: tool services go to the node that advertises the tool resource, bind that node's
-   address and answer calls; a host actor killed takes its role's process with it (its watchdog) and
-   reads as lost; a role no node can take stops with the resources it asked for.
+   address and answer calls; one whose process crashes on a live node is started again there at its
+   endpoint; a host actor killed takes its role's process with it (its watchdog) and reads as lost;
+   a role no node can take stops with the resources it asked for.
 2. A whole `agentrl train --launcher ray` run over five nodes (inference, learner, a spare learner,
    tools, actor): the learner's node is removed mid-RL and the learner starts again on the spare
    from its checkpoint; then the driver is SIGKILLed and no process of the run may be left 30 s
    later; `--resume` finishes the run, and every group is trained exactly once.
 3. A lost inference node: its server starts again on the other inference node and training goes on;
    with no inference node left, the run stops saying so.
+4. Learner ranks (`cluster.learner.ranks`): one placement group, torchrun on each bundle's node with
+   a static rendezvous at bundle 0's; a rank's node lost, a new gang resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from agentrl.common.config import build
 from agentrl.common.proctable import all_processes, descendants, read_proc, same_process
 from agentrl.credentials import RunCredentials
 from agentrl.engine.roles import HOST_LOST, CommandRole, agentrl_argv
-from agentrl.engine.services import ToolCurve, tool_client_keys
+from agentrl.engine.services import Services, ServicesConfig, ToolCurve, tool_client_keys
+from agentrl.launch.keeper import ServiceKeeper
 from agentrl.launch.plan import ClusterConfig
 from agentrl.launch.ray_launcher import RayLauncher, RayPlacementError
 from agentrl.learner.checkpoint import load_latest_checkpoint
@@ -77,6 +81,18 @@ def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp
                 return str((await client.call("calculator", {"expression": "6*7"})).content)
 
         assert "42" in asyncio.run(call())
+
+        # The service's process crashes on a live node: it is started again there, at its endpoint.
+        crashed, endpoint, pid = slots[1], slots[1].endpoint, slots[1].pid
+        crashed.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while crashed.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert crashed.poll() == -signal.SIGKILL
+        keeper = ServiceKeeper(Services(vllm_urls=[]), launcher, ServicesConfig(), tmp_path, tmp_path / "services.json", print)
+        again = asyncio.run(keeper.start_again(crashed, crashed.poll(), "tools"))
+        assert again is crashed and (again.endpoint, again.node_id) == (endpoint, nodes["tools"].node_id) and again.pid != pid
+        assert keeper.restarts["tools"] == 1 and "42" in asyncio.run(call())
 
         # The host actor killed: the watchdog it started stops the service; the slot reads as lost.
         victim = slots[0]
@@ -355,7 +371,6 @@ def test_learner_ranks_are_one_placement_group_and_a_lost_rank_node_starts_the_g
 
     from agentrl.common.curve import load_client_keys
     from agentrl.common.transport import GroupSender
-    from agentrl.launch.keeper import ServiceKeeper
     from agentrl.launch.ray_launcher import RayGang
     from agentrl.learner.config import LearnerConfig
     from agentrl.learner.metrics import read_metrics
