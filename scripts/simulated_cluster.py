@@ -1,0 +1,49 @@
+"""Run `agentrl train` under the Ray launcher on a simulated Ray cluster on this machine
+(`ray.cluster_utils.Cluster`: a head with no CPUs and one node with `--cpus` logical CPUs), then stop
+the cluster. Everything after `--` goes to `agentrl train`; the run's JSON line is its last line.
+
+    python scripts/simulated_cluster.py [--cpus 8] -- [agentrl train options]
+
+The main job under the Ray launcher, beside the local one on the same seed:
+
+    python scripts/simulated_cluster.py -- --out runs/main-ray
+    agentrl train --out runs/main-local
+
+The vLLM server and the learner each reserve 2 of the node's logical CPUs (Ray sets their
+OMP_NUM_THREADS from that, as a local run gives them this machine's threads); `--set` after `--`
+overrides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpus", type=int, default=8, help="logical CPUs of the one worker node (enough for every role)")
+    parser.add_argument("train", nargs=argparse.REMAINDER, help="-- then the options of agentrl train")
+    args = parser.parse_args(argv)
+    train = args.train[1:] if args.train[:1] == ["--"] else args.train
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=args.cpus)
+        cluster.wait_for_nodes()
+        print(f"simulated Ray cluster at {cluster.address}: a head with no CPUs, one node with {args.cpus}", file=sys.stderr,
+              flush=True)
+        command = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--launcher", "ray", "--ray-address", cluster.address,
+                   "--set", "cluster.inference.cpus=2", "--set", "cluster.learner.cpus=2", *train]
+        return subprocess.run(command).returncode
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
