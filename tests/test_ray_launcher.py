@@ -242,7 +242,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 
     try:
         resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out),
-                                  "--set", "minutes=2.0", "--ray-address", cluster.address],
+                                  "--set", "minutes=1.0", "--ray-address", cluster.address],  # the rest of RL, then the final evaluation
                                  capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         summary = json.loads(resumed.stdout.strip().splitlines()[-1])
