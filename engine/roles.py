@@ -150,7 +150,18 @@ def torchrun_argv(argv: tuple[str, ...], *, nnodes: int, node_rank: int, nproc_p
         raise ValueError(f"not a `python -P -m MODULE` command line: {argv}")
     return (argv[0], "-P", "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "static", "--master-addr", master_addr,
-            "--master-port", str(master_port), "-m", *argv[3:])
+            "--master-port", str(master_port), "--shutdown-timeout", str(int(TORCHRUN_SHUTDOWN_S)), "-m", *argv[3:])
+
+
+TORCHRUN_SHUTDOWN_S = 100.0
+"""How long a torchrun agent gives its ranks after a SIGTERM (the learner's rank 0 checkpoints and
+pushes then) before it SIGKILLs them: above torchrun's 30 s default, below the 120 s the supervisor
+gives a learner to stop, so that torchrun ends its ranks before anyone ends torchrun."""
+
+TORCHRUN_ENV = {"PYTHONSAFEPATH": "1"}
+"""What torchrun's ranks get in their environment: torchrun starts them as `python -u -m MODULE`
+(no -P), and started from a checkout's root they would import its top-level kernels/ folder as
+`kernels`, a Hugging Face package's name."""
 
 
 HOST_LOST = -1000
@@ -223,7 +234,7 @@ class LocalRanksSlot(LocalSlot):
 
         argv = torchrun_argv(role.argv, nnodes=1, node_rank=0, nproc_per_node=self.ranks, master_addr=self.host,
                              master_port=free_port(self.host))
-        return super().start(replace(role, argv=argv))
+        return super().start(replace(role, argv=argv, env={**role.env, **TORCHRUN_ENV}))
 
 
 class LocalLauncher:

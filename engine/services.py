@@ -406,9 +406,13 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
             services.vllm_servers = [launcher.place(name, "inference") for name in names]
             say(f"starting {len(names)} vLLM server{'s' * (len(names) > 1)} (log {logs / names[0]}.log"
                 f"{', ...' * (len(names) > 1)}) ...")
-            await asyncio.gather(*(asyncio.to_thread(slot.start, VLLMRole(slot.name, server_config, str(logs / f"{slot.name}.log"),
-                                                                         control_token))
-                                   for slot in services.vllm_servers))
+            # Every start is waited for, failed or not, before the `except` below stops them all.
+            results = await asyncio.gather(*(asyncio.to_thread(slot.start, VLLMRole(slot.name, server_config,
+                                                                                   str(logs / f"{slot.name}.log"), control_token))
+                                             for slot in services.vllm_servers), return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
             for slot in services.vllm_servers:
                 say(f"vLLM server: {slot.endpoint}{slot.where} (pid {slot.pid})")
             services.vllm_urls = [slot.endpoint for slot in services.vllm_servers]

@@ -288,9 +288,10 @@ class Learner:
         if self.version_pub is None:
             return
         await self.version_pub.start()
-        await self.version_pub.publish(self.step, served)
-        if self.publisher is not None:
+        if self.publisher is not None:  # a push that finished meanwhile counts too
+            served = self.publisher.served_version
             self.publisher.on_served = self.version_pub.set_served
+        await self.version_pub.publish(self.step, served)
 
     async def _query_served_version(self) -> int:
         """Without pushes (publish.every = 0): the oldest version among the servers that answer."""

@@ -71,7 +71,7 @@ def test_learner_ranks_are_bundles_of_one_placement_group_and_torchrun_agents():
                                                                                             "--config", "l.toml")
     options = dict(zip(argv[4:-5:2], argv[5:-5:2], strict=True))
     assert options == {"--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "1", "--rdzv-backend": "static",
-                       "--master-addr": "10.0.0.1", "--master-port": "29500"}
+                       "--master-addr": "10.0.0.1", "--master-port": "29500", "--shutdown-timeout": "100"}
     with pytest.raises(ValueError, match="not a `python -P -m MODULE` command line"):
         torchrun_argv(("learner",), nnodes=1, node_rank=0, nproc_per_node=2, master_addr="h", master_port=1)
     assert isinstance(LocalLauncher("127.0.0.1", learner_ranks=2).place("learner-rl", "learner"), LocalRanksSlot)

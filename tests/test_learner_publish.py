@@ -24,7 +24,6 @@ from agentrl.learner.publish import WeightPublisher
 WRITER = """
 import sys, time, torch
 from agentrl.common import weights
-from agentrl.common.transport import VersionPublisher
 weights.SHM_DIR = sys.argv[1]
 print(weights.write_weights({"w": torch.zeros(100_000)}), flush=True)
 if sys.argv[2] == "wait":

@@ -8,7 +8,8 @@ stopped":
   stderr appended to `log_path` (or stdout piped, for a READY line), stdin from /dev/null.
 - `stop(timeout_s)` sends SIGTERM (to the leader, or to the whole group with `term_group=True`:
   a vLLM server's engine core and workers must see it too), waits up to `timeout_s`, then SIGKILLs
-  the whole group, so nothing the child started (sandboxes, workers, ranks) outlives it. Nothing is
+  the whole group and what of its tree (as it was when the stop began) is in other sessions, so
+  nothing the child started (sandboxes, workers, torchrun's ranks) outlives it. Nothing is
   ever signalled by name.
 - `wait_for_line(prefix, timeout_s)` reads the piped stdout until a line starting with `prefix`
   (a tool service's `READY <endpoint>`); an exit or a timeout first raises `ChildStartError` with
@@ -92,6 +93,11 @@ class ChildProcess:
         popen = self.popen
         if popen is None:
             return None
+        from agentrl.common.proctable import all_processes, descendants, same_process
+
+        # Its tree now, while the leader holds it: a child in a session of its own (torchrun starts
+        # each rank so) is no member of the group and would outlive the group's SIGKILL.
+        tree = descendants({popen.pid}, all_processes()) if popen.poll() is None else {}
         if popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 if self.term_group:
@@ -100,8 +106,13 @@ class ChildProcess:
                     os.kill(popen.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout_s)
-        # Whatever the leader left behind (workers, sandboxes, ranks) still belongs to its group.
+        # Whatever the leader left behind (workers, sandboxes, ranks) goes: its group, and the
+        # processes of its tree in other sessions.
         self.kill_group()
+        for info in tree.values():
+            if same_process(info):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(info.pid, signal.SIGKILL)
         code = popen.wait(10)
         if popen.stdout is not None:
             popen.stdout.close()

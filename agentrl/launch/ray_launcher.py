@@ -24,7 +24,15 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from agentrl.engine.roles import HOST_LOST, CommandRole, Role, Running, start_role, torchrun_argv
+from agentrl.engine.roles import (
+    HOST_LOST,
+    TORCHRUN_ENV,
+    CommandRole,
+    Role,
+    Running,
+    start_role,
+    torchrun_argv,
+)
 from agentrl.launch.plan import ClusterConfig, placement_bundles, ray_actor_options
 
 CALL_TIMEOUT_S = 60.0
@@ -111,6 +119,8 @@ class RaySlot:
         self.log_path = log_path
         self.lost = False
         self.released = False
+        self.exit_code: int | None = None
+        """The role's exit code as `stop` found it (the host is gone after a stop: `poll` answers this)."""
         self.role: Role | None = None
         """What it was last started with (a service that died is started again from it)."""
         self.where = f" on node {node_id[:12]} ({host})"
@@ -145,6 +155,8 @@ class RaySlot:
 
         if self.lost:
             return HOST_LOST
+        if self.released:
+            return self.exit_code
         try:
             return self._call("poll")
         except (RayActorError, GetTimeoutError):
@@ -168,7 +180,7 @@ class RaySlot:
             self.lost = True
             return HOST_LOST
         ray.kill(self.actor)
-        self.released = True
+        self.released, self.exit_code = True, code
         return code
 
     def stop_process(self, timeout_s: float) -> int | None:
@@ -227,12 +239,13 @@ class RayGang:
             argv = torchrun_argv(role.argv, nnodes=len(self.members), node_rank=i, nproc_per_node=1,
                                  master_addr=self.host, master_port=port)
             log_path = role.log_path if i == 0 else str(Path(role.log_path).with_name(f"{Path(role.log_path).stem}-rank{i}.log"))
-            member.start(replace(role, name=role.name if i == 0 else f"{role.name}-rank{i}", argv=argv, log_path=log_path))
+            member.start(replace(role, name=role.name if i == 0 else f"{role.name}-rank{i}", argv=argv, log_path=log_path,
+                                 env={**role.env, **TORCHRUN_ENV}))
         return self
 
     def poll(self) -> int | None:
         """HOST_LOST if any rank's node is lost; else rank 0's exit code, or another rank's failure."""
-        codes = [member.poll() for member in self.members]
+        codes = [member.poll() for member in self.members]  # after `stop`: the codes it found
         if HOST_LOST in codes:
             return HOST_LOST
         if codes[0] is not None:
@@ -249,10 +262,12 @@ class RayGang:
         import ray
 
         if self.released:
-            return None
-        codes = [member.stop(timeout_s) for member in self.members]
-        ray.util.remove_placement_group(self.group)
-        self.released = True
+            return self.members[0].exit_code
+        try:
+            codes = [member.stop(timeout_s) for member in self.members]
+        finally:
+            ray.util.remove_placement_group(self.group)
+            self.released = True
         return codes[0]
 
     def log_tail(self, num_lines: int = 30) -> str:
@@ -333,7 +348,7 @@ class RayLauncher:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
                 members.append(self._place_host(name if i == 0 else f"{name}-rank{i}", kind,
                                                 {**options, "scheduling_strategy": strategy}, placed_by=f"bundle {i}"))
-        except RayPlacementError:
+        except BaseException:  # nothing of a gang that could not be placed keeps its reservation
             for member in members:
                 member.stop()
             remove_placement_group(group)

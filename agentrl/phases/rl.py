@@ -66,7 +66,9 @@ async def rl_phase(sup) -> None:
                 sup.say(f"learner exited with {rc}; restarting it (restart {sup.learner_restarts}), "
                         "it resumes from its checkpoint")
                 sup.procs.remove(learner)
-                learner = sup.start(sup.keeper.learner_slot_again(learner, config_path, data), learner_argv, control=True)
+                # In a thread: stopping what is left of a lost gang takes a while, and the loop answers heartbeats.
+                again = await asyncio.to_thread(sup.keeper.learner_slot_again, learner, config_path, data)
+                learner = sup.start(again, learner_argv, control=True)
             max_eval_s = cfg.eval.max_share * cfg.minutes * 60 if cfg.eval.in_budget else math.inf
             if rl_eval_fits(time.monotonic(), sup.evaluations.of_this_process, next_eval_s=next_eval,
                             rl_end_s=rl_end(), in_budget=cfg.eval.in_budget, max_eval_s=max_eval_s):

@@ -50,10 +50,12 @@ async def sft_phase(sup) -> None:
     learner = sup.start(slot, agentrl_argv("learner", "--config", str(config_path.resolve())), control=True)
     t0 = time.perf_counter()
     epoch, time_limited = await _stream(sup, learner, gold, data, stop_at)
-    if time_limited:
-        await asyncio.to_thread(learner.stop, 300)
-    rc = learner.poll()
-    if rc != 0:
+    # Stopped (time-limited) or finished: its place goes back either way (a Ray host, a placement
+    # group of ranks), for the RL learner to take.
+    rc = await asyncio.to_thread(learner.stop, 300 if time_limited else 60)
+    # torchrun's own exit status after a forwarded SIGTERM is not the learner's: rank 0 says how it ended.
+    stopped = time_limited and "learner: stopped at step" in learner.log_tail(200)
+    if rc != 0 and not stopped:
         raise RuntimeError(f"SFT learner exited with {rc}; log {learner.log_path}:\n{learner.log_tail()}")
     steps_done = last_metrics(sup.out / "sft" / "metrics.jsonl").get("step", 0)
     sft_s = time.perf_counter() - t0
