@@ -93,8 +93,9 @@ class ServicesConfig:
     vllm_replicas: int = 1
     """vLLM servers to start (>= 1; not with `vllm` URLs), each serving the whole policy: episodes are
     spread over them (the actor's server pool), every weight push goes to all of them. Under the
-    Ray launcher each goes to its own node of the inference kind where there are enough
-    (`[cluster.inference]`: spread)."""
+    Ray launcher they are spread over the nodes of the inference kind (Ray's SPREAD: best effort).
+    On one host they share its memory and GPUs: size `vllm_server.kv_cache_gib` /
+    `gpu_memory_utilization` so that all of them fit."""
     max_learner_restarts: int = 3
     """A learner that dies is restarted (it resumes from its checkpoint) at most this many times."""
     max_tool_restarts: int = 10
