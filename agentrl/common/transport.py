@@ -434,8 +434,8 @@ class VersionPublisher(_Owned):
         self.curve = curve
         """CurveZMQ keys: subscribers must hold an authorized client key; None: plain text."""
         self._sock: zmq.asyncio.Socket | None = None
-        self._latest: bytes | None = None
-        self._version = 0
+        self._latest: tuple[int, int] | None = None
+        """(version, served version) as last announced; sent again every `republish_interval_s`."""
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -448,16 +448,15 @@ class VersionPublisher(_Owned):
         self._spawn(self._republish(), "version-republish")
 
     async def publish(self, version: int, served_version: int) -> None:
-        self._version = int(version)
-        self._latest = msgpack.packb({"version": int(version), "served_version": int(served_version)})
-        await self._sock.send(self._latest)
+        self._latest = (int(version), int(served_version))
+        await self._send()
 
     def set_served(self, served_version: int) -> None:
         """The servers caught up between two versions (a push finished, a restarted server took the
         latest weights): the next republish, within `republish_interval_s`, says so. Before the first
         `publish` there is nothing to amend."""
         if self._latest is not None:
-            self._latest = msgpack.packb({"version": self._version, "served_version": int(served_version)})
+            self._latest = (self._latest[0], int(served_version))
 
     async def close(self, timeout_s: float = 5.0) -> None:
         await self._stop(timeout_s, bound=self._sock)
@@ -467,7 +466,11 @@ class VersionPublisher(_Owned):
         while True:
             await asyncio.sleep(self.republish_interval_s)
             if self._latest is not None:
-                await self._sock.send(self._latest)
+                await self._send()
+
+    async def _send(self) -> None:
+        version, served_version = self._latest
+        await self._sock.send(msgpack.packb({"version": version, "served_version": served_version}))
 
 
 class VersionSubscriber(_Owned):
