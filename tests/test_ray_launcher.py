@@ -39,6 +39,7 @@ from agentrl.engine.services import Services, ServicesConfig, ToolCurve, tool_cl
 from agentrl.launch.keeper import ServiceKeeper
 from agentrl.launch.plan import ClusterConfig
 from agentrl.launch.ray_launcher import RayLauncher, RayPlacementError
+from agentrl.launch.simulated import mount_namespace, private_mounts_env
 from agentrl.learner.checkpoint import load_latest_checkpoint
 from agentrl.toolservers.client import ToolClient
 
@@ -50,6 +51,22 @@ def _cluster(nodes: dict[str, dict]) -> tuple[Cluster, dict]:
     return cluster, added
 
 
+def _private_mounts(monkeypatch, shared: Path) -> dict[str, str]:
+    """Every host actor of the drivers started with this environment (and of this process's driver)
+    runs in a mount namespace of its own with an empty /tmp and /dev/shm: only `shared` (the run's
+    directory) and sockets connect the simulated nodes."""
+    env = private_mounts_env([shared])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return {**os.environ, **env}
+
+
+def _private(pids: list[int]) -> None:
+    """Each of `pids` (roles' processes on different hosts) sees mounts of its own."""
+    spaces = [mount_namespace(pid) for pid in pids]
+    assert mount_namespace(os.getpid()) not in spaces and len(set(spaces)) == len(spaces), spaces
+
+
 def _gone_within(pids: list[int], timeout_s: float) -> list:
     infos = [info for pid in pids if (info := read_proc(pid)) is not None]
     deadline = time.monotonic() + timeout_s
@@ -59,8 +76,9 @@ def _gone_within(pids: list[int], timeout_s: float) -> list:
 
 
 @pytest.mark.slow
-def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp_path):
+def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp_path, monkeypatch):
     cluster, nodes = _cluster({"tools": {"agentrl_tools": 2}, "other": {}})
+    _private_mounts(monkeypatch, tmp_path)
     ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
     try:
         config = build(ClusterConfig, {"launcher": "ray", "tools": {"resource": "agentrl_tools"}, "place_timeout_s": 5})
@@ -81,6 +99,7 @@ def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp
                 return str((await client.call("calculator", {"expression": "6*7"})).content)
 
         assert "42" in asyncio.run(call())
+        _private([s.pid for s in slots])
 
         # The service's process crashes on a live node: it is started again there, at its endpoint.
         crashed, endpoint, pid = slots[1], slots[1].endpoint, slots[1].pid
@@ -180,7 +199,7 @@ def _wait_line(lines: list[str], text: str, proc: subprocess.Popen, timeout_s: f
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver(tmp_path):
+def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver(tmp_path, monkeypatch):
     import threading
 
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "learner": {"agentrl_learner": 1},
@@ -190,7 +209,8 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
     out = tmp_path / "run"
     argv = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
             "--ray-address", cluster.address]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = _private_mounts(monkeypatch, tmp_path)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
     node_of = {node.node_id[:12]: name for name, node in nodes.items()}
@@ -232,6 +252,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
         run_pids = [pid for pid in descendants(role_pids, table)] + [pid for pid in role_pids if pid in table]
         alive_roles = [pid for pid in role_pids if pid in table]
         assert len(alive_roles) >= 5, (role_pids, "\n".join(lines))  # vLLM, 2 search, learner, actor
+        _private(alive_roles)  # nothing of one role reaches another by a path in /tmp or /dev/shm
         proc.kill()
         left = _gone_within(run_pids, 30)
         assert not left, f"30 s after SIGKILL of the driver, still alive: {left}"
@@ -243,7 +264,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
     try:
         resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out),
                                   "--set", "minutes=1.0", "--ray-address", cluster.address],  # the rest of RL, then the final evaluation
-                                 capture_output=True, text=True, timeout=900)
+                                 capture_output=True, text=True, timeout=900, env=env)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         summary = json.loads(resumed.stdout.strip().splitlines()[-1])
         assert summary["optimizer_steps"] >= 3 and summary["episodes"] > 0  # RL steps across the moved learner and the resume
@@ -261,7 +282,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_with_none_left_the_run_stops(tmp_path):
+def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_with_none_left_the_run_stops(tmp_path, monkeypatch):
     """The server's node and a tools node are removed mid-RL: the server starts again on the other
     inference node at an endpoint of that node (another port: the old one means nothing there), the
     run's service directory says so, the actor's pool and the learner follow it (the learner pushes
@@ -277,10 +298,11 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
     config = tmp_path / "ray.toml"
     config.write_text(CONFIG)
     out = tmp_path / "run"
+    env = _private_mounts(monkeypatch, tmp_path)
     try:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
                                  "--ray-address", cluster.address, "--set", "cluster.place_timeout_s=30"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
         try:
@@ -360,7 +382,7 @@ def _learner_toml(path: Path, run_dir: Path, model_dir: Path, transport: dict) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_learner_ranks_are_one_placement_group_and_a_lost_rank_node_starts_the_gang_again(tmp_path):
+def test_learner_ranks_are_one_placement_group_and_a_lost_rank_node_starts_the_gang_again(tmp_path, monkeypatch):
     """`cluster.learner.ranks = 2`, STRICT_SPREAD: one placement group, a bundle on each of two learner
     nodes, torchrun on each with a static rendezvous at bundle 0's node, whose rank binds the learner's
     socket there; both ranks train the groups sent to it. Then rank 1's node is removed: the gang reads
@@ -376,6 +398,7 @@ def test_learner_ranks_are_one_placement_group_and_a_lost_rank_node_starts_the_g
     from agentrl.learner.metrics import read_metrics
 
     cluster, nodes = _cluster({name: {"agentrl_learner": 1} for name in ("learner0", "learner1", "spare")})
+    _private_mounts(monkeypatch, tmp_path)
     ray.init(address=cluster.address, log_to_driver=False, include_dashboard=False)
     model_dir, run_dir, logs = tmp_path / "model", tmp_path / "rl", tmp_path / "logs"
     tiny_llama(vocab_size=64).save_pretrained(model_dir)
@@ -421,6 +444,7 @@ def test_learner_ranks_are_one_placement_group_and_a_lost_rank_node_starts_the_g
         assert "learner rank 0/2" in (logs / "learner-first.log").read_text() and "learner rank 1/2" in rank1_log
         assert load_latest_checkpoint(run_dir / "checkpoints")["world_size"] == 2
         rank0 = [gang.members[0].pid, int(re.search(r"learner rank 0/2 pid (\d+)", (logs / "learner-first.log").read_text())[1])]
+        _private([m.pid for m in gang.members])
 
         lost = next(name for name, node in nodes.items() if node.node_id == gang.members[1].node_id)
         cluster.remove_node(nodes[lost])
