@@ -44,6 +44,7 @@ anchor.coef = 0.0  # the demonstration anchor trains on the SFT cold start's dem
 tokens_per_step = 2048
 checkpoint.every = 1
 staleness_bound = 8
+max_steps = 5  # 3 steps after the kill, then RL ends rather than run out the budget
 [learner.trainer]
 train_layers = 1
 train_embeddings = false

@@ -2,7 +2,8 @@
 provisions the learners' CurveZMQ keys and the vLLM server's control token under the run directory
 (0600), binds the learners and the server there, and trains through them, the weights reaching the
 server by the `stream` transport (its URL is not loopback); the token is on no command line and in
-no log; a client without the keys gets nothing through to the learner."""
+no log; a client without the keys gets nothing through to the learner. The learner runs as two
+torchrun ranks (`cluster.learner.ranks = 2`), and RL ends at its `max_steps`, before the budget."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ tokens_per_step = 2048
 [learner]
 tokens_per_step = 2048
 anchor.coef = 0.0
+max_steps = 4  # RL ends at step 4 (SFT's steps count: SFT seldom fits this budget), before the budget
 [learner.trainer]
 train_layers = 1
 max_row_tokens = 2048
@@ -60,6 +62,8 @@ dynamic_sampling = false
 every_s = 100000.0
 baselines = false
 baseline_questions = 0
+[cluster.learner]
+ranks = 2  # torchrun, two ranks on this host: rank 0 binds the learner's sockets and pushes
 """
 
 
@@ -107,7 +111,9 @@ def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(t
             proc.kill()
     assert proc.returncode == 0, stdout[-3000:]
     summary = json.loads(stdout.strip().splitlines()[-1])
-    assert summary["rl_steps"] >= 1
+    assert summary["rl_steps"] + summary["sft_steps_done"] == 4 and "learner finished its max_steps" in stdout
+    learner_log = (out / "logs" / "learner-rl.log").read_text()
+    assert "ranks=2" in learner_log and "learner rank 1: stopped at rank 0's request" in learner_log, learner_log[-2000:]
 
     # The credentials: made by the run, 0600, in a 0700 folder.
     token_file = out / "control_token"
