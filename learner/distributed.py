@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,6 +76,32 @@ def init_distributed(timeout_s: float = 600.0, device: torch.device | None = Non
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal this process gets when the thread that started it exits."""
+
+
+def die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when its torchrun agent dies, by any means.
+
+    torchrun starts each rank in a session of its own, so an agent killed alone (SIGKILL, the OOM
+    killer) would leave its ranks running, holding the learner's port and memory, with nothing
+    left to stop them; the run's keeper then starts a new learner beside them. A rank has nothing
+    to save without its agent: the next learner resumes from the last checkpoint. torchrun starts
+    its ranks from its main thread, which lives as long as the agent. Nothing is asked of a rank
+    that another launcher started (no TORCHELASTIC_RUN_ID)."""
+    import ctypes
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    if agent == 1 or os.getppid() != agent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def close_distributed(completed: bool) -> None:

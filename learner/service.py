@@ -66,7 +66,13 @@ from agentrl.common.transport import GroupReceiver, VersionPublisher
 from agentrl.learner.checkpoint import save_checkpoint
 from agentrl.learner.config import LearnerConfig
 from agentrl.learner.devices import resolve_device
-from agentrl.learner.distributed import RankGroup, close_distributed, init_distributed, launched_world_size
+from agentrl.learner.distributed import (
+    RankGroup,
+    close_distributed,
+    die_with_launcher,
+    init_distributed,
+    launched_world_size,
+)
 from agentrl.learner.intake import Intake
 from agentrl.learner.ledger import Ledger, Spool
 from agentrl.learner.metrics import MetricsWriter
@@ -366,6 +372,7 @@ def main(argv: list[str]) -> int:
         return 2
     if launched_world_size() == 1:
         return asyncio.run(Learner(config, Solo(config, device)).run())
+    die_with_launcher()
     rank, world = init_distributed(config.dist_timeout_s, device)
     print(f"learner rank {rank}/{world} pid {os.getpid()}", file=sys.stderr, flush=True)
     group = RankGroup(rank, world)

@@ -90,7 +90,7 @@ class Launched:
         self.argv = argv
         self.log_path = log
         self.log = open(log, "ab")  # noqa: SIM115 (closed in wait_exit)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")  # PYTHONSAFEPATH: as TORCHRUN_ENV
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_exit(self, timeout_s: float) -> int:
@@ -250,29 +250,42 @@ async def test_torchrun_service_matches_one_process_resumes_and_stops(tmp_path):
 
 
 @pytest.mark.slow
-async def test_a_dead_rank_does_not_leave_the_other_waiting(tmp_path):
-    """With the launcher gone (so torchrun's own monitoring cannot stop anyone), SIGKILL rank 1
-    while rank 0 waits for data: rank 0's next heartbeat finds the peer gone and it exits."""
+async def test_an_agent_killed_alone_takes_its_rank_and_the_other_rank_does_not_wait(tmp_path):
+    """Two torchrun agents of one rank each (a static rendezvous, as on two hosts). SIGKILL agent 1
+    alone while rank 0 waits for data, as when its node goes: its rank dies with it (it asked the
+    kernel for that; torchrun starts it in a session of its own, so nothing else would stop it),
+    and rank 0's next heartbeat finds the peer gone, so it exits and so does agent 0."""
+    from agentrl.engine.roles import torchrun_argv
+
     model_dir = tmp_path / "model"
     tiny_llama(vocab_size=64).save_pretrained(model_dir)
     config = _write_config(tmp_path / "two.toml", tmp_path / "run", model_dir, f"tcp://127.0.0.1:{_free_port()}")
     config.write_text(config.read_text().replace("dist_timeout_s = 60.0", "dist_timeout_s = 20.0"))  # heartbeat 5 s
-    log = tmp_path / "two.log"
-    launched = _torchrun(config, log)
+    port = _free_port()
+    learner = (sys.executable, "-P", "-m", "agentrl.cli", "learner", "--config", str(config))
+    agents = [Launched(list(torchrun_argv(learner, nnodes=2, node_rank=i, nproc_per_node=1, master_addr="127.0.0.1",
+                                          master_port=port)), tmp_path / f"agent{i}.log")
+              for i in range(2)]
     try:
-        await _wait_for(lambda: "READY learner step=0" in log.read_text(), launched, "READY")
-        pids = _rank_pids(log)
-        os.kill(launched.proc.pid, signal.SIGKILL)
-        launched.proc.wait(timeout=30)
-        assert _alive(pids[0]) and _alive(pids[1])  # the ranks outlive their launcher
-        os.kill(pids[1], signal.SIGKILL)
+        await _wait_for(lambda: "READY learner step=0" in agents[0].log_path.read_text(), agents[0], "READY")
+        rank1 = _rank_pids(agents[1].log_path)[1]
+        rank0 = _rank_pids(agents[0].log_path)[0]
+        os.kill(agents[1].proc.pid, signal.SIGKILL)
+        agents[1].proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(rank1) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not _alive(rank1), "rank 1 outlived its agent"
         deadline = time.monotonic() + 120  # a liveness bound, not a speed check: the heartbeat comes within 5 s
-        while _alive(pids[0]) and time.monotonic() < deadline:
+        while _alive(rank0) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        assert not _alive(pids[0]), log.read_text()[-3000:]
-        assert "Connection closed by peer" in log.read_text() or "Timed out" in log.read_text(), log.read_text()[-3000:]
+        log = agents[0].log_path.read_text()
+        assert not _alive(rank0), log[-3000:]
+        assert "Connection closed by peer" in log or "Timed out" in log, log[-3000:]
+        assert agents[0].wait_exit(60) != 0
     finally:
-        launched.kill_all()
+        for agent in agents:
+            agent.kill_all()
 
 
 @pytest.mark.vllm
