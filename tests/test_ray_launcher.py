@@ -234,6 +234,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
         cluster.remove_node(nodes[first])
         mark = len(lines)
         moved = _wait_line(lines, "placed again on node", proc, 120, start=mark)
+        assert any("restarting it (restart 1)" in line for line in lines[mark:]), "\n".join(lines[mark:])  # learner_restarts == 1
         restarted = _wait_line(lines, "started learner-rl", proc, 120, start=mark)
         assert node_of[restarted.split(" on node ")[1].split()[0]] == other, moved
         trained_before = len(_metric_lines(metrics))
