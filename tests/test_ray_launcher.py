@@ -1,5 +1,7 @@
 """The Ray launcher on a real Ray cluster of simulated nodes (`ray.cluster_utils.Cluster`: one raylet
-per node on this machine, a head with no CPUs so that nothing runs there by accident).
+per node on this machine, a head with no CPUs so that nothing runs there by accident). Every host
+actor runs in a mount namespace of its own, with an empty /tmp and /dev/shm, as on separate hosts
+(agentrl/launch/simulated.py); each case checks that of the roles it starts.
 
 1. Placement: tool services go to the node that advertises the tool resource, bind that node's
    address and answer calls; one whose process crashes on a live node is started again there at its
@@ -9,7 +11,8 @@ per node on this machine, a head with no CPUs so that nothing runs there by acci
    tools, actor): the learner's node is removed mid-RL and the learner starts again on the spare
    from its checkpoint; then the driver is SIGKILLed and no process of the run may be left 30 s
    later; `--resume` finishes the run, and every group is trained exactly once.
-3. A lost inference node: its server starts again on the other inference node and training goes on;
+3. The vLLM server's host actor killed: the server is placed again. A lost inference node: its
+   server starts again on the other inference node and training goes on;
    with no inference node left, the run stops saying so.
 4. Learner ranks (`cluster.learner.ranks`): one placement group, torchrun on each bundle's node with
    a static rendezvous at bundle 0's; a rank's node lost, a new gang resumes from the checkpoint.
@@ -284,7 +287,9 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_with_none_left_the_run_stops(tmp_path, monkeypatch):
-    """The server's node and a tools node are removed mid-RL: the server starts again on the other
+    """The vLLM server's host actor is killed (its Ray worker, SIGKILL): its watchdog stops the
+    server, and the server is placed again on an inference node and takes the learner's weights.
+    Then the server's node and a tools node are removed mid-RL: the server starts again on the other
     inference node at an endpoint of that node (another port: the old one means nothing there), the
     run's service directory says so, the actor's pool and the learner follow it (the learner pushes
     it the latest weights), the search replica of the lost tools node starts again at an endpoint of
@@ -308,30 +313,41 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
         threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
         try:
             _wait_line(lines, "started actor", proc, 600)
-            served = next(line for line in lines if line.startswith("vLLM server:"))
-            url, server_pid = served.split()[2], int(served.split("(pid ")[1].split(")")[0])
-            first = next(name for name in ("inference", "inference2") if f"on node {nodes[name].node_id[:12]}" in served)
-            other = "inference2" if first == "inference" else "inference"
-            server_tree = [server_pid, *descendants({server_pid}, all_processes())]
             metrics = out / "rl" / "metrics.jsonl"
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not _metric_lines(metrics):
                 time.sleep(1.0)
+            # The server's host actor killed: its Ray worker is the server's parent.
+            served = next(line for line in lines if line.startswith("vLLM server:"))
+            server_pid = int(served.split("(pid ")[1].split(")")[0])
+            host_worker = read_proc(server_pid).ppid
+            mark = len(lines)
+            os.kill(host_worker, signal.SIGKILL)
+            assert not _gone_within([server_pid], 30), "the server outlived its host actor"
+            served = _wait_line(lines, " again (pid ", proc, 300, start=mark)
+            assert served.startswith("vLLM server: "), served
+            assert any("was lost (its node, or the Ray actor that held it)" in line for line in lines[mark:])
+            # (That training goes on and the learner pushes to a server that moved is checked below, after the node's loss.)
+            url, server_pid = served.split()[2], int(served.split("(pid ")[1].split(")")[0])
+            first = next(name for name in ("inference", "inference2") if f"on node {nodes[name].node_id[:12]}" in served)
+            other = "inference2" if first == "inference" else "inference"
+            server_tree = [server_pid, *descendants({server_pid}, all_processes())]
             replicas = {line.split()[2] + line.split()[3]: line.split()[4] for line in lines
                         if line.startswith("tool service search #") and f"on node {nodes['tools'].node_id[:12]}" in line}
             assert replicas, "no search replica on the tools node:\n" + "\n".join(lines)  # SPREAD: one on each
+            mark = len(lines)
             cluster.remove_node(nodes[first])
             cluster.remove_node(nodes["tools"])
-            _wait_line(lines, f"the vLLM server on node {nodes[first].node_id[:12]}", proc, 60)
-            # "vLLM server: URL on node ID (ADDRESS) again (pid N)": nothing of the run was on that node before
-            again = _wait_line(lines, f"on node {nodes[other].node_id[:12]} (", proc, 300)
+            _wait_line(lines, f"the vLLM server on node {nodes[first].node_id[:12]}", proc, 60, start=mark)
+            # "vLLM server: URL on node ID (ADDRESS) again (pid N)"
+            again = _wait_line(lines, f"on node {nodes[other].node_id[:12]} (", proc, 300, start=mark)
             assert again.startswith("vLLM server: ") and " again (pid " in again, again
             new_url = again.split()[2]
             assert new_url != url, again
             moved = {}
             for name, endpoint in replicas.items():  # "search#1:" -> tool-search-1
                 slot = "tool-search-" + name.removeprefix("search#").rstrip(":")
-                line = _wait_line(lines, f"tool service {slot}: ", proc, 120)
+                line = _wait_line(lines, f"tool service {slot}: ", proc, 120, start=mark)
                 assert f"on node {nodes['tools2'].node_id[:12]} (" in line and " again (pid " in line, line
                 moved[endpoint] = line.split()[3]
             directory = json.loads((out / "services.json").read_text())
@@ -362,7 +378,7 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         time.sleep(1.0)  # the reader thread drains the pipe
-        text = "\n".join(lines)
+        text = "\n".join(lines[mark:])  # since the nodes' removal
         assert f"the vLLM server on node {nodes[other].node_id[:12]}" in text, text[-3000:]
         assert f"agentrl train --resume {out}" in text and "could not be started again" in text
         assert not _gone_within(server_tree, 30), "the lost node's server outlived it"

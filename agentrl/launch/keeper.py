@@ -86,7 +86,8 @@ class ServiceKeeper:
             return slot
         slot.stop(timeout_s=30)  # what is left of it (a gang's ranks on nodes still there) releases its place
         new = self.launcher.place(slot.name, kind)
-        self.say(f"{slot.name}: its node was lost; placed again on node {new.node_id[:12]}")
+        self.say(f"{slot.name}: its host{slot.where} was lost (its node, or the Ray actor that held it); "
+                 f"placed again on node {new.node_id[:12]}")
         return new
 
     def learner_slot_again(self, slot, config_path: Path, data: dict):
