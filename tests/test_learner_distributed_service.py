@@ -25,6 +25,7 @@ import pytest
 from support.synthetic import make_group, tiny_llama
 
 from agentrl.common.transport import GroupSender
+from agentrl.engine.roles import TORCHRUN_ENV, torchrun_argv
 from agentrl.learner.checkpoint import load_latest_checkpoint
 from agentrl.learner.metrics import read_metrics
 
@@ -90,7 +91,7 @@ class Launched:
         self.argv = argv
         self.log_path = log
         self.log = open(log, "ab")  # noqa: SIM115 (closed in wait_exit)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONSAFEPATH="1")  # PYTHONSAFEPATH: as TORCHRUN_ENV
+        env = dict(os.environ, OMP_NUM_THREADS="1", **TORCHRUN_ENV)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_exit(self, timeout_s: float) -> int:
@@ -255,8 +256,6 @@ async def test_an_agent_killed_alone_takes_its_rank_and_the_other_rank_does_not_
     alone while rank 0 waits for data, as when its node goes: its rank dies with it (it asked the
     kernel for that; torchrun starts it in a session of its own, so nothing else would stop it),
     and rank 0's next heartbeat finds the peer gone, so it exits and so does agent 0."""
-    from agentrl.engine.roles import torchrun_argv
-
     model_dir = tmp_path / "model"
     tiny_llama(vocab_size=64).save_pretrained(model_dir)
     config = _write_config(tmp_path / "two.toml", tmp_path / "run", model_dir, f"tcp://127.0.0.1:{_free_port()}")

@@ -54,14 +54,12 @@ def _cluster(nodes: dict[str, dict]) -> tuple[Cluster, dict]:
     return cluster, added
 
 
-def _private_mounts(monkeypatch, shared: Path) -> dict[str, str]:
-    """Every host actor of the drivers started with this environment (and of this process's driver)
-    runs in a mount namespace of its own with an empty /tmp and /dev/shm: only `shared` (the run's
-    directory) and sockets connect the simulated nodes."""
-    env = private_mounts_env([shared])
-    for name, value in env.items():
+def _private_mounts(monkeypatch, shared: Path) -> None:
+    """Every host actor of this process's Ray driver, and of the drivers it starts (they inherit the
+    environment), runs in a mount namespace of its own with an empty /tmp and /dev/shm: only
+    `shared` (the run's directory) and sockets connect the simulated nodes."""
+    for name, value in private_mounts_env([shared]).items():
         monkeypatch.setenv(name, value)
-    return {**os.environ, **env}
 
 
 def _private(pids: list[int]) -> None:
@@ -212,8 +210,8 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
     out = tmp_path / "run"
     argv = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
             "--ray-address", cluster.address]
-    env = _private_mounts(monkeypatch, tmp_path)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+    _private_mounts(monkeypatch, tmp_path)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
     node_of = {node.node_id[:12]: name for name, node in nodes.items()}
@@ -268,7 +266,7 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
     try:
         resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out),
                                   "--set", "minutes=1.0", "--ray-address", cluster.address],  # the rest of RL, then the final evaluation
-                                 capture_output=True, text=True, timeout=900, env=env)
+                                 capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         summary = json.loads(resumed.stdout.strip().splitlines()[-1])
         assert summary["optimizer_steps"] >= 3 and summary["episodes"] > 0  # RL steps across the moved learner and the resume
@@ -304,11 +302,11 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
     config = tmp_path / "ray.toml"
     config.write_text(CONFIG)
     out = tmp_path / "run"
-    env = _private_mounts(monkeypatch, tmp_path)
+    _private_mounts(monkeypatch, tmp_path)
     try:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
                                  "--ray-address", cluster.address, "--set", "cluster.place_timeout_s=30"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
         try:
