@@ -394,7 +394,7 @@ def sft_learner_overrides(sft) -> dict:
     `learner.trainer.temperature` is the sampling temperature the behaviour log-probs were computed
     at (demonstrations have none; training their likelihood at 0.7 instead of 1.0 cost the default's
     SFT checkpoint 0.677 -> 0.469 held-out EM, every 2-hop question answered after one search;
-    docs/notes/issue-15.md, run Q), and the SFT loss has no KL term, so a reference copy would only
+    docs/notes/recipe.md, run Q), and the SFT loss has no KL term, so a reference copy would only
     cost memory and loading time."""
     rl_only = {"kl_reference": False, "anchor": {"coef": 0.0}, "trainer": {"temperature": 1.0, "loss": {"kl_coef": 0.0}}}
     return layer(layer(rl_only, sft.learner),

@@ -467,7 +467,7 @@ def main() -> int:
     # makes ~100 tokens/s at 32 requests in flight (one 40-token turn: ~10 s) and the untrained model
     # takes one tool round per episode, so lockstep's 8 batches pay ~4 generations and the slowest of 32
     # log-normal tools (~8x the median) each: 1,348 s measured, 452 s streaming, ~36 minutes in all
-    # (docs/notes/issue-5.md, session 3). --quick: 32 episodes through 8 slots, ~10 minutes (estimated from its parts).
+    # (docs/notes/rollout.md, "Async against lockstep"). --quick: 32 episodes through 8 slots, ~10 minutes (estimated from its parts).
     parser.add_argument("--quick", action="store_true",
                         help="async vs lockstep at 32 episodes through 8 slots instead of the issue's 256 through 32")
     parser.add_argument("--avl-episodes", type=int, default=None,

@@ -43,7 +43,7 @@ class PolicyLossConfig:
     zero gradient where r > c. Dimensionless, > 1; None or math.inf (which a TOML file can spell)
     disables it. Default 3.0 (verl's): free where it cannot act (r = 1 exactly in the trainer as
     wired) and it halves the gradient norm of a batch whose log-ratio has drifted by 1 nat
-    (docs/notes/issue-16.md)."""
+    (docs/notes/learner-and-kernels.md, "KL clamp and dual clip")."""
     is_cap: float | None = 2.0
     """Truncation of the decoupled importance weight pi_prox / pi_behavior (TIS), dimensionless,
     > 0 (math.inf keeps the untruncated weight). None disables the weight (w = 1)."""

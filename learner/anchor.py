@@ -15,7 +15,7 @@ carry no gradient, and updates from the questions it is still learning move them
 the SFT policy is too weak to hold them (the deciding token is one among many in a token-mean KL).
 The anchor pulls towards the gold actions, not towards what SFT got wrong. It is InstructGPT's
 pretraining-mix term with the cold start's demonstrations as the data. The runs that measured both
-effects: docs/notes/issue-15.md (runs O, V, Y).
+effects: docs/notes/recipe.md, "Demonstration anchor" (runs O, V, Y).
 """
 
 from __future__ import annotations

