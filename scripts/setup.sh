@@ -30,7 +30,7 @@ else
   EXTRAS=${AGENTRL_EXTRAS:-cpu,dev}
 fi
 
-stamp_inputs=$(cat pyproject.toml scripts/setup.sh; echo "$EXTRAS")
+stamp_inputs=$(cat pyproject.toml setup.py scripts/setup.sh; echo "$EXTRAS")
 stamp_hash=$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)
 stamp="$VENV/.agentrl-setup-$stamp_hash"
 
