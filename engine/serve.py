@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import random
 import signal
 import socket
 import sys
@@ -66,7 +67,36 @@ def cfg_dtype(dtype: str) -> str:
     return auto_dtype_name("cpu" if vllm_is_cpu_build() else "cuda")
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORTS_FROM = 20_000
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing on `host` listens on now, for a process that binds it later.
+
+    Taken below the kernel's ephemeral range: a port from that range (what binding port 0 gives) can
+    be taken, between now and the bind, as the source port of any outgoing connection of the host,
+    such as an HTTP keep-alive to a vLLM server. That happened to a learner on the slower machine
+    kind, which binds ~40 s after its port is chosen: it and each of its three restarts failed with
+    "Address already in use". Ports below the range are never used for outgoing connections; from
+    20000 up, so as to stay clear of Ray's worker ports too (10002-19999 by default). A port is handed
+    out once per process; where the range leaves fewer than 4,096 ports below it, the kernel picks
+    (port 0)."""
+    low = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.exists() else 0
+    if low - PORTS_FROM >= 4096:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(PORTS_FROM, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -35,3 +35,14 @@ def test_stop_takes_the_childs_whole_tree_even_a_process_in_a_session_of_its_own
             import signal
 
             os.kill(rank.pid, signal.SIGKILL)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_once_each():
+    """A port from the ephemeral range can be taken by an outgoing connection before its process binds
+    it (a restarted learner failed four times that way): free_port stays below the range."""
+    from agentrl.engine.serve import EPHEMERAL_RANGE, PORTS_FROM, free_port
+
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(PORTS_FROM <= port < low for port in ports), (min(ports), max(ports), low)
