@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agentrl.report import signal_text
 from agentrl.runconfig import LoggingConfig
 
 TAIL_BYTES = 256 * 1024
@@ -140,12 +141,15 @@ class Progress:
             if reward is not None:
                 parts.append(f"task reward {reward:.2f}" + (f", {calls:.1f} calls/episode" if calls is not None else "")
                              + f" (last {len(recent)} steps)")
+        if actor and self.phase == "rl":
+            parts += signal_text(actor[-1])
         if self.eval_progress is not None:
             label, done, total = self.eval_progress
             parts.append(f"evaluating {label}: {done}/{total} episodes")
         if self.last_eval is not None:
             e = self.last_eval
-            parts.append(f"held-out {e.get('score_metric', 'score')} {e['score']:.3f} ({e['label']})")
+            parts.append(f"held-out {e.get('score_metric', 'score')} {e['score']:.3f} ({e['label']})"
+                         + (", at ceiling" if e["score"] >= 1.0 else ""))
         if self.deadline is not None:
             parts.append(f"{max(self.deadline - time.monotonic(), 0) / 60:.1f} min left")
         return " | ".join(parts)

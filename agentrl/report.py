@@ -98,6 +98,37 @@ def no_rl_reason(phases: dict) -> str:
     return f"RL did not run: {why}; the final policy is the {'SFT checkpoint' if 'score' in phases.get('sft', {}) else 'initial model'}"
 
 
+STOPPED = {"budget": "its time was up", "max_steps": "the learner reached learner.max_steps",
+           "no_signal": "no learning signal was left (rl.stop_when_no_signal)"}
+
+
+def signal_text(stats: dict) -> list[str]:
+    """What the actor's latest stats say of the learning signal (engine/curriculum.py SignalMonitor), as
+    short phrases for the status line and the report: equal-reward groups among the recent ones, and
+    groups without any task reward."""
+    out = []
+    recent = stats.get("signal/recent_groups", 0)
+    if recent:
+        out.append(f"{stats.get('signal/recent_equal', 0)} of the last {recent} groups without signal (equal rewards)")
+    since = stats.get("signal/groups_since_task_reward", 0)
+    if since >= 10:
+        out.append(f"no episode has earned task reward in the last {since} groups")
+    return out
+
+
+def signal_lines(stats: dict, rl: dict, final: dict | None) -> list[str]:
+    """The report's lines on the learning signal of the RL phase."""
+    lines = []
+    if stats.get("signal/groups"):
+        lines.append(f"- groups with the same rewards in every sample (no signal; dropped under dynamic sampling): "
+                     f"{stats['signal/equal_groups']} of {stats['signal/groups']}; now: " + "; ".join(signal_text(stats)))
+    if rl.get("stopped_reason") in STOPPED:
+        lines.append(f"- RL ended because {STOPPED[rl['stopped_reason']]}")
+    if final is not None and final.get("score", 0.0) >= 1.0:
+        lines.append("- held-out at ceiling: the final policy solves every held-out task; RL has nothing left to gain on them")
+    return lines
+
+
 def time_table(phases: dict, evals: list[dict]) -> list[str]:
     """Markdown: minutes of each phase of the budget (evaluations apart from training)."""
     def minutes(label: str) -> float:
@@ -156,8 +187,9 @@ def write_report(run_dir: str | Path) -> Path:
     tracked = [e for e in evals if e["label"] not in baselines and e["label"] not in DIAGNOSTICS]
     metric = phases.get("final", {}).get("score_metric") or (tracked[0].get("score_metric", "score") if tracked else "score")
     curves = {metric: ([(e["time"] - t0) / 60 for e in tracked], [e["score"] for e in tracked])}
-    if tracked and "f1" in tracked[0]:
-        curves["f1"] = ([(e["time"] - t0) / 60 for e in tracked], [e["f1"] for e in tracked])
+    with_f1 = [e for e in tracked if "f1" in e]  # an evaluation whose every episode failed has no f1
+    if with_f1:
+        curves["f1"] = ([(e["time"] - t0) / 60 for e in with_f1], [e["f1"] for e in with_f1])
     for key in sorted({k for e in tracked for k in e if k.startswith("by_")}):
         for value in sorted({v for e in tracked for v in e.get(key, {})}):
             sel = [e for e in tracked if value in e.get(key, {})]
@@ -217,7 +249,7 @@ def write_report(run_dir: str | Path) -> Path:
               "| --- " * (len(header) + 3) + "|"]
     for name, r in rows:
         if r:
-            cells = [f"{r['score']:.3f}", *(f"{r[k]:.3f}" for k in extra)]
+            cells = [f"{r['score']:.3f}", *(f"{r[k]:.3f}" if k in r else "" for k in extra)]
             for k in by_keys:
                 for v in sorted({v for _, r2 in rows if r2 for v in r2.get(k, {})}):
                     cell = r.get(k, {}).get(v)
@@ -261,6 +293,7 @@ def write_report(run_dir: str | Path) -> Path:
         a = actor[-1]
         lines.append(f"- actor: {a['num_episodes_finished']} episodes ({a['num_episodes_failed']} failed), "
                      f"{a['num_groups_emitted']} groups, {a['num_turns']} turns in {a['elapsed_s'] / 60:.1f} min")
+        lines += signal_lines(a, phases.get("rl", {}), phases.get("final"))
     lines += time_table(phases, evals)
     lines += ["", "## Plots", ""]
     for title, name in images:

@@ -131,6 +131,26 @@ class EvalConfig:
 
 
 @config_dataclass
+class RLConfig:
+    stop_when_no_signal: bool = True
+    """End the RL phase early when the groups carry no learning signal: of the last `no_signal_groups`
+    groups the actor finished, at least `no_signal_share` had the same rewards in every sample
+    (dynamic sampling drops such groups: a task the policy solves every time, or one no sample solves
+    while no shaping term varies). The final evaluation follows; the JSON line's `rl_stopped_reason`
+    is "no_signal" and the log says what was seen. The policy is then as good as this RL can make it
+    on these tasks: a solved task would otherwise spend the rest of the budget sampling groups it drops."""
+    no_signal_groups: int = 48
+    """Groups the rule looks back over (also the window of the status line's signal count)."""
+    no_signal_share: float = 0.95
+    """Share of those groups with equal rewards at which RL stops."""
+
+    def __post_init__(self) -> None:
+        if self.no_signal_groups < 1 or not 0.0 < self.no_signal_share <= 1.0:
+            raise ValueError(f"rl: no_signal_groups={self.no_signal_groups} must be >= 1 and no_signal_share="
+                             f"{self.no_signal_share} in (0, 1]")
+
+
+@config_dataclass
 class NetworkConfig:
     host: str = "127.0.0.1"
     """The address this run's learners, vLLM server and the tool services it starts bind. Loopback
@@ -189,6 +209,8 @@ class TrainConfig:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     """The actor's orchestrator; [orchestrator.sampling] samples the training episodes (evaluation is greedy)."""
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    """[rl]: when the RL phase ends before its time (the learner's own keys are in [learner])."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """The RL learner; the supervisor fills in its output_dir, endpoints and servers."""
     tools: list[ToolSource] = field(default_factory=list)
@@ -357,7 +379,7 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
             problems.append(f"{at('learner', 'trainer', 'lora', 'rank')} = {lora.rank} is above the server's max LoRA rank "
                             f"{largest} ({at('services', 'vllm_server', 'max_lora_rank')}): it would refuse every push; "
                             f"lower the rank, or raise max_lora_rank to one of {[r for r in VLLM_MAX_LORA_RANKS if r >= lora.rank]}")
-    if config.cluster.learner.ranks > 1 and config.learner.anchor.coef > 0:
+    if config.cluster.learner.ranks > 1 and config.learner.anchor.coef > 0 and config.sft.enabled:
         problems.append(f"{at('cluster', 'learner', 'ranks')} = {config.cluster.learner.ranks} runs the learner under "
                         f"torchrun, and {at('learner', 'anchor', 'coef')} = {config.learner.anchor.coef} trains in one "
                         "learner process only (the ranks do not share the anchor's demonstrations yet): set "
@@ -378,9 +400,6 @@ def check_run(config: TrainConfig, data: dict, origins: Origins, source: str = "
         except ConfigError as err:
             text = str(err)
             problems.append(f"{at(*key).rsplit(': ', 1)[0]}: {text}" if text.startswith(("tasks.", "env.", "tools", "agent.")) else text)
-    if config.learner.anchor.coef > 0 and not config.sft.enabled:
-        problems.append(f"{at('learner', 'anchor', 'coef')}: the anchor trains on the SFT cold start's demonstrations; "
-                        "it needs sft.enabled = true, or set learner.anchor.coef = 0")
     if config.sft.demonstrations and not Path(config.sft.demonstrations).is_file():
         problems.append(f"{at('sft', 'demonstrations')}: no such file {config.sft.demonstrations}")
     if problems:

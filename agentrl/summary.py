@@ -43,6 +43,8 @@ def finish_run(out: Path, phases: dict, supervisor, *, started: float) -> dict:
         "score_after": round(final["score"], 4),
         "rl_ran": rl.get("rl_steps", 0) > 0,
         "rl_steps": rl.get("rl_steps", 0),
+        "rl_stopped_reason": rl.get("stopped_reason") or ("skipped" if rl.get("skipped") else None),
+        "groups_dropped_equal_share": dropped_equal_share(out / "rl" / "checkpoints"),
         "sft_steps_done": sft.get("steps_done", 0),
         "episodes": actor_episodes(out / "actor" / "stats.jsonl"),
         "optimizer_steps": rl_metrics.get("step", sft.get("steps_done", 0)),
@@ -108,3 +110,16 @@ def actor_episodes(path: Path) -> int:
             total += last
         last = rec["num_episodes_finished"]
     return total + (last or 0)
+
+
+def dropped_equal_share(checkpoints: Path) -> float | None:
+    """Of the groups the RL learner consumed (its latest checkpoint's ledger: trained or rejected), the
+    share dropped for equal rewards (dynamic sampling); None without an RL checkpoint."""
+    from agentrl.learner.checkpoint import checkpoint_dirs, load_latest_checkpoint
+
+    if not checkpoint_dirs(checkpoints):
+        return None
+    ledger = load_latest_checkpoint(checkpoints)["ledger"]
+    consumed = len(ledger["trained"]) + len(ledger["rejected"])
+    equal = sum(reason == "equal_rewards" for reason in ledger["rejected"].values())
+    return round(equal / consumed, 4) if consumed else None

@@ -36,8 +36,11 @@ from pathlib import Path
 
 from agentrl.common.config import config_dataclass
 from agentrl.common.curve import ClientKeys, is_local_endpoint, load_client_keys
+from agentrl.common.files import write_atomic
+from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES, GroupSender, VersionSubscriber
 from agentrl.engine.agent import AgentConfig
+from agentrl.engine.curriculum import PassRateCurriculum, SignalMonitor
 from agentrl.engine.env import EnvConfig
 from agentrl.engine.orchestrator import EpisodeRunner, OrchestratorConfig
 from agentrl.engine.services import Connections, RemoteService, ToolSource
@@ -82,6 +85,9 @@ class ActorConfig:
     """The run's service directory (RUN_DIR/services.json, agentrl.common.directory): a server, tool
     replica or learner that starts again at another address is followed there (read every 2 s).
     Empty: the endpoints above hold for the whole run."""
+    signal_window: int = 48
+    """Groups over which the stats count those with equal rewards (`signal/recent_equal`; the
+    supervisor's `rl.no_signal_groups`)."""
 
     def __post_init__(self) -> None:
         keys = self.curve_keys()
@@ -130,9 +136,15 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
         follow = asyncio.ensure_future(_follow_directory(cfg, conn, sender, versions)) if cfg.services_file else None
         try:
             runner = await stack.enter_async_context(episodes(conn)) if episodes is not None else None
-            stream = taskset.train_stream(lambda: (versions.latest or (0, 0))[0])
-            orch = Orchestrator(conn.env, conn.pool.generate, sender.send, cfg.orchestrator, versions=versions,
+            draws = TaskDraws(cfg, taskset.train_stream, lambda: (versions.latest or (0, 0))[0], out / CURRICULUM_STATE)
+
+            async def sink(group: TrajectoryGroup) -> None:
+                await sender.send(group)
+                draws.observe(group)
+
+            orch = Orchestrator(conn.env, conn.pool.generate, sink, cfg.orchestrator, versions=versions,
                                 run_id=f"rl{int(time.time())}-{os.getpid()}", episodes=runner)
+            stream = draws.stream()
             run = asyncio.ensure_future(orch.run(stream))
             stats_path = out / "stats.jsonl"
             t0 = time.time()
@@ -142,7 +154,7 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
                     f.write(json.dumps({"time": time.time(), "elapsed_s": time.time() - t0, **dataclasses.asdict(orch.stats),
                                         "generated_tokens": conn.pool.num_generated_tokens,
                                         "groups_rejected": sender.num_rejected,
-                                        "latest_version": versions.latest}) + "\n")
+                                        "latest_version": versions.latest, **draws.summary()}) + "\n")
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await run
@@ -161,6 +173,39 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
                            "accept, or keys on one side only; the transport's log line above says which): fix "
                            "curve_server_key / curve_client_key or the learner's curve_authorized_clients_dir")
     return 0
+
+
+CURRICULUM_STATE = "curriculum.json"
+"""The curriculum's state in the actor's folder (RUN_DIR/actor): written after every group sent, read
+when the actor starts again (`--resume`, or the run's learner moved and the actor with it)."""
+
+
+class TaskDraws:
+    """The training stream the orchestrator draws from: the task set's, through the curriculum by pass
+    rate when `orchestrator.curriculum.enabled`; and the signal monitor over the groups sent. The
+    curriculum's state is saved (atomically) after every group and restored from the same file."""
+
+    def __init__(self, cfg: ActorConfig, train_stream, version, state_path: Path):
+        self.state_path = state_path
+        self._stream = lambda: train_stream(version)
+        curriculum = cfg.orchestrator.curriculum
+        self.monitor = SignalMonitor(cfg.signal_window, curriculum.pass_reward)
+        self.curriculum = None
+        if curriculum.enabled:
+            state = json.loads(state_path.read_text()) if state_path.exists() else None
+            self.curriculum = PassRateCurriculum(curriculum, self._stream, state=state)
+
+    def stream(self):
+        return self.curriculum.stream() if self.curriculum is not None else self._stream()
+
+    def observe(self, group: TrajectoryGroup) -> None:
+        self.monitor.observe(group)
+        if self.curriculum is not None:
+            self.curriculum.observe(group)
+            write_atomic(self.state_path, json.dumps(self.curriculum.state()).encode())
+
+    def summary(self) -> dict[str, float]:
+        return {**self.monitor.summary(), **(self.curriculum.summary() if self.curriculum is not None else {})}
 
 
 async def _follow_directory(cfg: ActorConfig, conn: Connections, sender: GroupSender, versions: VersionSubscriber,

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from agentrl.common.config import config_dataclass
 from agentrl.common.trajectory import Trajectory, TrajectoryGroup
 from agentrl.common.transport import VersionSubscriber
+from agentrl.engine.curriculum import CurriculumConfig
 from agentrl.engine.env import ToolEnv
 from agentrl.engine.episode import GenerateFn, SamplingConfig, run_episode
 from agentrl.engine.task import Task
@@ -77,6 +78,8 @@ class OrchestratorConfig:
     staleness_wait_s: float = 1800.0
     """Longest wait for the servers to catch up before the run fails, seconds."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Which training task the next group gets, by the pass rates of earlier groups (engine/curriculum.py)."""
     server_wait_s: float = 300.0
     """With every inference server down (one the run is starting again), how long an episode's
     request waits for one to answer before the episode fails, seconds (engine/pool.py)."""

@@ -58,7 +58,8 @@ class AnchorConfig:
     coef: float = 0.0
     """Weight of the anchor in each RL step: the mean NLL of gold demonstrations' action tokens (at
     trainer.temperature), added to the policy-gradient loss; 0 = none. Needs the learner's
-    anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations."""
+    anchor_dir; `agentrl train` fills it with the SFT cold start's demonstrations, and turns the
+    anchor off in a run without them (`sft.enabled = false`: no demonstration is read)."""
     tokens_per_step: int = 1024
     """Tokens of demonstrations (whole trajectories, at least one) the anchor adds to each RL step."""
 

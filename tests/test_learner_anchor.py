@@ -115,9 +115,10 @@ def test_anchor_config_rules(tmp_path):
         LearnerConfig(mode="sft", anchor={"coef": 0.1})
     with pytest.raises(ConfigError, match="anchor.coef > 0 needs anchor_dir"):
         check_runnable(LearnerConfig(output_dir=str(tmp_path), publish={"every": 0}, anchor={"coef": 0.1}))
-    # A run: the anchor needs the SFT cold start, whose learner runs without it; agentrl train fills anchor_dir.
-    with pytest.raises(ConfigError, match="needs sft.enabled = true"):
-        load_run_config(sets=["learner.anchor.coef=0.1", "sft.enabled=false"])
+    # A run: the anchor trains on the SFT cold start's demonstrations (agentrl train fills anchor_dir);
+    # with sft.enabled = false alone the run is accepted and its RL phase turns the anchor off
+    # (agentrl/phases/rl.py; the run that reads no demonstration is tests/test_train_budget.py's).
+    assert load_run_config(sets=["learner.anchor.coef=0.1", "sft.enabled=false"]).config.sft.enabled is False
     with pytest.raises(ConfigError, match="anchor_dir: set by agentrl train"):
         load_run_config(sets=["learner.anchor.coef=0.1", f"learner.anchor_dir={str(tmp_path)!r}"])
     assert load_run_config(sets=["learner.anchor.coef=0.1"]).config.learner.anchor.coef == 0.1

@@ -72,3 +72,18 @@ def test_a_run_without_rl_says_so_first_and_labels_no_row_after_rl(tmp_path):
     assert "| held-out evaluation after SFT | 1.7 |" in text
     assert "| final held-out evaluation (reused: the policy was unchanged) | 0.0 |" in text
     assert "| RL phase (training; its evaluations below) | 0.0 |" in text
+
+
+def test_an_evaluation_whose_every_episode_failed_has_no_f1_and_the_report_still_writes(tmp_path):
+    """A final evaluation that ran while the only server was down (a Ray node lost late in a run on the
+    slower machine kind) records no f1; the curve of f1 skips it instead of failing the run's end."""
+    def summary(label, score, version, time, **extra):
+        return {"label": label, "score": score, "score_metric": "em", "em": score, "n": 6, "served_version": version,
+                "time": time, "eval_s": 20.0, **extra}
+
+    base = summary("base_tool_call", 0.0, 0, 100.0, f1=0.0)
+    final = summary("final", 0.0, -1, 400.0)  # every episode failed: no f1
+    (tmp_path / "phases.json").write_text(json.dumps({"baseline": {"base_tool_call": base}, "final": final,
+                                                      "rl": {"rl_steps": 2, "rl_s": 160.0}}))
+    (tmp_path / "evals.jsonl").write_text(json.dumps(base) + "\n" + json.dumps(final) + "\n")
+    assert "Held-out em over time" in write_report(tmp_path).read_text()

@@ -55,6 +55,7 @@ def write_actor_config(config, learner_data: dict, *, services, out: Path, crede
         "orchestrator": to_dict(config.orchestrator),
         "agent": to_dict(config.agent),
         "services_file": str(services_file),
+        "signal_window": config.rl.no_signal_groups,
     }
     path = out / "actor.toml"
     path.write_text(dump_toml(data))

@@ -32,8 +32,12 @@ async def rl_phase(sup) -> None:
     overrides: dict = {}
     if cfg.sft.enabled and not sup.phases.get("sft", {}).get("skipped"):
         overrides["init_checkpoint"] = str(sup.out / "sft" / "checkpoints")
-    if cfg.learner.anchor.coef > 0:
+    if cfg.learner.anchor.coef > 0 and cfg.sft.enabled:
         overrides["anchor_dir"] = str(await write_anchor(sup))
+    elif cfg.learner.anchor.coef > 0:  # the anchor follows the demonstrations: none are read without SFT
+        overrides["anchor"] = {"coef": 0.0}
+        sup.say(f"demonstration anchor off (learner.anchor.coef = {cfg.learner.anchor.coef}): sft.enabled = false, "
+                "so no demonstration is read; RL learns from the rewards alone")
     learner_slot, config_path, data = sup.learner_config("rl", overrides)
     actor_path = sup.actor_config(data)
     sup.keeper.write_directory(data["transport"])
@@ -44,6 +48,8 @@ async def rl_phase(sup) -> None:
     learner = sup.start(learner_slot, learner_argv, control=True)
     actor = sup.start(sup.launcher.place("actor", "actor"), agentrl_argv("actor", "--config", str(actor_path.resolve())))
     next_eval = time.monotonic() + cfg.eval.every_s
+    started_wall = time.time()
+    stopped_reason = "budget"
 
     def rl_end() -> float:  # an evaluation outside the budget moves the deadline
         return sup.deadline - sup.final_eval_reserve_s()
@@ -59,6 +65,7 @@ async def rl_phase(sup) -> None:
             if rc is not None:
                 if rc == 0:
                     sup.say("learner finished its max_steps")
+                    stopped_reason = "max_steps"
                     break
                 if sup.learner_restarts >= cfg.services.max_learner_restarts:
                     raise RuntimeError(f"learner died {sup.learner_restarts + 1} times; log {learner.log_path}:\n{learner.log_tail()}")
@@ -77,6 +84,11 @@ async def rl_phase(sup) -> None:
                 sup.log_eval(summary, trajs)
                 rl_eval_s += time.monotonic() - t_eval
                 next_eval = time.monotonic() + cfg.eval.every_s
+            why = no_signal(actor_stats(sup.out, since=started_wall), cfg.rl)
+            if why is not None and cfg.rl.stop_when_no_signal:
+                sup.say(f"RL stopped: no learning signal left ({why}; rl.stop_when_no_signal = true)")
+                stopped_reason = "no_signal"
+                break
     finally:
         # In threads: the event loop must keep answering the tool services' heartbeats.
         await asyncio.to_thread(actor.stop, 30)
@@ -92,4 +104,23 @@ async def rl_phase(sup) -> None:
                           "tool_restarts": sup.keeper.restarts["tools"],
                           "learner_rc": learner.poll(), "actor_rc": actor.poll(),
                           "rl_s": time.monotonic() - rl_start - rl_eval_s, "rl_steps": max(last_version - first_version, 0),
+                          "stopped_reason": stopped_reason,
                           "first_version": first_version, "last_version": last_version})
+
+
+def actor_stats(out, since: float) -> dict:
+    """The actor's latest stats record written after `since` (unix seconds), or {}: a resumed run's
+    first seconds must not read what the previous actor saw."""
+    from agentrl.progress import tail_records
+
+    latest = tail_records(out / "actor" / "stats.jsonl", 1)
+    return latest[-1] if latest and latest[-1].get("time", 0.0) >= since else {}
+
+
+def no_signal(stats: dict, rl) -> str | None:
+    """Why the recent groups carry no learning signal (`rl.no_signal_groups`, `rl.no_signal_share`,
+    runconfig.RLConfig), from the actor's stats (engine/curriculum.py `SignalMonitor`), or None."""
+    recent, equal = stats.get("signal/recent_groups", 0), stats.get("signal/recent_equal", 0)
+    if recent >= rl.no_signal_groups and equal >= rl.no_signal_share * recent:
+        return f"{equal} of the last {recent} groups had the same rewards in every sample"
+    return None

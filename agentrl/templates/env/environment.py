@@ -68,6 +68,14 @@ class CatalogueEnv(ToolEnv):
                 '<tool_call>{"name": "lookup", "arguments": {"item": "..."}}</tool_call>. '
                 "Then reply with its stock code: <answer>code</answer>.")
 
+    def example_messages(self) -> tuple[tuple[str, str], ...]:
+        """A worked example shown before the question (`env.worked_example`): an item that is not in
+        the catalogue, looked up, then answered. The untrained model calls the tool only with one."""
+        return (("user", "What is the stock code of the silver paper kite?"),
+                ("assistant", self.parser.format_call("lookup", {"item": "silver paper kite"})),
+                ("tool", '<tool_response>\n{"item": "silver paper kite", "code": "Q-417"}\n</tool_response>'),
+                ("assistant", self.parser.format_answer("Q-417")))
+
     def reward(self, task: Task, episode: EpisodeState) -> Reward:
         """1 when the answer is the item's code (case and spaces aside), else 0."""
         answer = episode.answer if isinstance(episode.answer, str) else ""
