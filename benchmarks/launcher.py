@@ -26,44 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIG = """
-minutes = {minutes}
-[tasks.options]
-heldout_num = 6
-heldout_hops = [1]
-transfer_num = 0
-num_train = 64
-[[tasks.options.curriculum]]
-hops = [1]
-[services]
-tools = ["search"]
-[env]
-worked_example = true
-max_turns = 2
-max_action_tokens = 48
-max_total_tokens = 2048
-[orchestrator]
-group_size = 4
-max_concurrent_episodes = 16
-max_groups_in_flight = 4
-max_staleness = 2
-[sft]
-enabled = false
-[learner]
-tokens_per_step = 2048
-anchor.coef = 0.0
-[learner.trainer]
-train_layers = 1
-train_embeddings = false
-max_row_tokens = 2048
-[eval]
-every_s = 100000.0
-baselines = false
-[cluster.inference]
-cpus = 2
-[cluster.learner]
-cpus = 2
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.runs import train_argv  # noqa: E402
+
+# The tests' tiny run (tests/tiny_run.toml), with the budget of --minutes; the server and the learner
+# ask Ray for 2 CPUs each, as many as the machine has.
+SETS = ("cluster.inference.cpus=2", "cluster.learner.cpus=2")
+
 
 
 def clock_ticks(pids) -> int:
@@ -87,9 +56,8 @@ def ray_idle_cpu(idle_s: float) -> dict:
     return {"ray_idle_processes": len(pids), "ray_idle_cpu_pct_of_one_core": round(100 * used / idle_s, 2)}
 
 
-def one_run(launcher: str, config: Path, out: Path, address: str | None) -> dict:
-    argv = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
-            "--launcher", launcher]
+def one_run(launcher: str, minutes: float, out: Path, address: str | None) -> dict:
+    argv = train_argv(*SETS, f"minutes={minutes}", out=out, extra=("--launcher", launcher))
     if address:
         argv += ["--ray-address", address]
     log = open(out.parent / f"{out.name}.log", "w")
@@ -129,11 +97,9 @@ def main() -> None:
         time.sleep(5.0)
         idle = ray_idle_cpu(args.idle_s)
         with tempfile.TemporaryDirectory(prefix="agentrl-bench-launcher-") as tmp:
-            config = Path(tmp) / "bench.toml"
-            config.write_text(CONFIG.format(minutes=args.minutes))
             for r in range(args.rounds):
                 for launcher in ("local", "ray"):
-                    result = one_run(launcher, config, Path(tmp) / f"{launcher}-{r}", cluster.address if launcher == "ray" else None)
+                    result = one_run(launcher, args.minutes, Path(tmp) / f"{launcher}-{r}", cluster.address if launcher == "ray" else None)
                     print(json.dumps({"launcher": launcher, "round": r, **result}), flush=True)
                     runs[launcher].append(result)
     finally:

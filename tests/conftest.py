@@ -51,3 +51,23 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture()
+def shared_server(vllm_server, model_dir):
+    """The session's server for a test whose run pushes weights into it (`agentrl train --vllm URL`)
+    and does not need a server of its own: the prepared model's weights and the version the server
+    served before are pushed back afterwards (and checked), so later tests see the prepared model."""
+    import asyncio
+
+    from agentrl.common.inference import VLLMClient
+    from agentrl.common.weights import push_weights
+
+    async def version() -> int:
+        async with VLLMClient(vllm_server.base_url) as client:
+            return await client.weight_version()
+
+    before = asyncio.run(version())
+    yield vllm_server
+    asyncio.run(push_weights(vllm_server.base_url, model_dir / "model.safetensors", before))
+    assert asyncio.run(version()) == before

@@ -19,13 +19,16 @@ from agentrl.train import main as train_main
 CONFIGS = sorted(DEFAULT_CONFIG.parent.glob("*.toml"))
 # The examples layer over the embedded default too: a change to it must leave them valid.
 EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*/config.toml"))
+# And so does the tests' tiny run, which every test and benchmark that starts a run layers over.
+TINY_RUN = Path(__file__).resolve().parent / "tiny_run.toml"
 
 
 def test_configs_are_shipped():
     assert {p.name for p in CONFIGS} >= {"cpu_default.toml", "gpu_agent_r1.toml"}
 
 
-@pytest.mark.parametrize("path", CONFIGS + EXAMPLE_CONFIGS, ids=lambda p: p.name if p.parent == DEFAULT_CONFIG.parent else p.parent.name)
+@pytest.mark.parametrize("path", CONFIGS + EXAMPLE_CONFIGS + [TINY_RUN],
+                         ids=lambda p: p.name if p.parent in (DEFAULT_CONFIG.parent, TINY_RUN.parent) else p.parent.name)
 def test_shipped_config_resolves_and_its_learners_validate(path):
     resolved = load_run_config(path)
     config = resolved.config

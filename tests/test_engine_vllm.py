@@ -135,27 +135,3 @@ def test_the_cpu_server_environment_disables_torch_compile_unless_the_caller_cho
     assert VLLMServer(VLLMServerConfig()).environment()["TORCH_COMPILE_DISABLE"] == "0"
 
 
-@pytest.mark.slow
-async def test_a_fresh_cpu_server_answers_its_first_request_without_compiling(tmp_path, model_dir, monkeypatch):
-    """A fresh server's first request must not run Inductor (engine.serve, VLLMServer.environment):
-    with a private, empty Inductor cache, nothing may be written to it while the server starts and
-    serves, and the log must show no compile probe."""
-    from agentrl.common.inference import VLLMClient
-    from agentrl.engine.serve import VLLMServer, VLLMServerConfig, vllm_is_cpu_build
-
-    if not vllm_is_cpu_build():
-        pytest.skip("the CUDA build keeps torch.compile")
-    cache = tmp_path / "inductor"
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    server = VLLMServer(VLLMServerConfig(model_dir=str(model_dir)), log_path=tmp_path / "vllm.log")
-    await asyncio.to_thread(server.start, 400.0)
-    try:
-        async with VLLMClient(server.base_url) as client:
-            gen = await client.generate(list(range(100, 400)), SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))
-        assert len(gen.token_ids) == len(gen.logprobs) == 8 and all(math.isfinite(x) and x <= 0.0 for x in gen.logprobs)
-    finally:
-        server.stop()
-    written = sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) if cache.exists() else []
-    assert written == [], f"Inductor wrote {written[:10]}"
-    assert "VecISA" not in server.log_path.read_text()

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from agentrl.common.config import dump_toml
@@ -82,19 +81,3 @@ def test_export_cli_names_what_is_missing(tmp_path, model_dir):
     assert no_prompt.returncode == 2 and "prompt.json" in no_prompt.stderr
     assert not (tmp_path / "hf").exists()
 
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_agentrl_eval_and_serve_accept_the_export(tmp_path, model_dir):
-    """`agentrl eval --model DIR` on an export: it takes the run's config from the folder (a held-out
-    set of 4 questions here) and serves the folder with vLLM; the JSON line reports that model."""
-    run, _ = _fake_run(tmp_path, model_dir)
-    config = load_run_config(None, ["tasks.options.heldout_num=4", "tasks.options.heldout_hops=[1]",
-                                    'services.tools=["search"]']).config
-    (run / "config.toml").write_text(dump_toml(config_data(config)))
-    out = export(run, tmp_path / "hf")
-    proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "eval", "--model", str(out), "--no-baselines"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["n"] == 4 and report["model"] == str(out) and report["num_failed"] == 0

@@ -387,16 +387,38 @@ def test_control_endpoint_rule():
         assert allowed(path, "10.1.2.3", "s3cret", "s3cret")[0]
 
 
-def test_serve_model_cli_starts_and_stops_without_orphans(model_dir):
+def test_serve_model_cli_starts_and_stops_without_orphans(model_dir, tmp_path):
+    """`agentrl serve-model`: the token rule of the control endpoints, a clean stop on SIGTERM with
+    nothing left. The server is a fresh one, so it also checks that a fresh CPU server's first request
+    runs no Inductor compile (engine.serve, VLLMServer.environment): with a private, empty Inductor
+    cache, nothing may be written to it while the server starts and serves, and its log must show no
+    compile probe."""
+    from agentrl.engine.serve import vllm_is_cpu_build
+
     port = free_port()
+    cache, log = tmp_path / "inductor", tmp_path / "vllm.log"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1"],
+        [sys.executable, "-P", "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1",
+         "--log", str(log)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-        env=dict(os.environ, AGENTRL_CONTROL_TOKEN="s3cret"),
+        env=dict(env, AGENTRL_CONTROL_TOKEN="s3cret", TORCHINDUCTOR_CACHE_DIR=str(cache)),
     )
     try:
         url = proc.stdout.readline().strip()
         assert url == f"http://127.0.0.1:{port}"
+
+        async def first_request():
+            async with VLLMClient(url) as client:
+                return await client.generate(list(range(100, 400)), SamplingParams(max_tokens=8, temperature=1.0, seed=3,
+                                                                                   ignore_eos=True))
+
+        gen = asyncio.run(first_request())
+        assert len(gen.token_ids) == len(gen.logprobs) == 8 and all(math.isfinite(x) and x <= 0.0 for x in gen.logprobs)
+        if vllm_is_cpu_build():  # the CUDA build keeps torch.compile
+            written = sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) if cache.exists() else []
+            assert written == [], f"Inductor wrote {written[:10]}"
+            assert "VecISA" not in log.read_text()
         # The weight-control endpoints want the token (even from loopback); generation does not.
         status, body = _post_status(url + "/pause")
         assert status == 403 and "X-Agentrl-Control-Token" in body, (status, body)

@@ -33,17 +33,24 @@ def test_the_scaffold_passes_check_and_refuses_a_folder_with_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_scaffold_trains_as_written(tmp_path):
-    """init-env, check, then `agentrl train` for 3 minutes from another folder: the run's last line
-    is its JSON summary with the scores (no learning target in 3 minutes)."""
+@pytest.mark.vllm
+def test_the_scaffold_trains_as_written(tmp_path, shared_server):
+    """init-env, check, then `agentrl train` from another folder on the session's server: the run's
+    last line is its JSON summary with the scores (no learning target here). Only its size is cut:
+    8 held-out tasks, 2 SFT steps and one RL step (without dynamic sampling, so that the step
+    comes whatever the rewards)."""
     assert agentrl("init-env", "envs/shop", cwd=tmp_path).returncode == 0
     assert agentrl("check", "--config", "envs/shop/config.toml", cwd=tmp_path).returncode == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    run = agentrl("train", "--config", "../envs/shop/config.toml", "--minutes", "3", "--out", "run", cwd=elsewhere, timeout=900)
+    run = agentrl("train", "--config", "../envs/shop/config.toml", "--minutes", "3", "--out", "run",
+                  "--vllm", shared_server.base_url, "--set", "tasks.options.num_heldout=8", "--set", "sft.steps=2",
+                  "--set", "learner.max_steps=3", "--set", "learner.trainer.advantage.dynamic_sampling=false",
+                  cwd=elsewhere, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["score_metric"] == "correct"
     assert summary["score_before"] is not None and summary["score_after"] is not None
     assert (elsewhere / "run" / "report.md").is_file()
     assert "tool service tools[0]" in run.stdout + run.stderr
+    assert summary["rl_steps"] + summary["sft_steps_done"] == 3 and "learner finished its max_steps" in run.stdout

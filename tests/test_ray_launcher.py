@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from support.runs import train_argv
 
 from agentrl.common.config import build
 from agentrl.common.proctable import all_processes, descendants, read_proc, same_process
@@ -43,7 +44,7 @@ from agentrl.launch.keeper import ServiceKeeper
 from agentrl.launch.plan import ClusterConfig
 from agentrl.launch.ray_launcher import RayLauncher, RayPlacementError
 from agentrl.launch.simulated import mount_namespace, private_mounts_env
-from agentrl.learner.checkpoint import load_latest_checkpoint
+from agentrl.learner.checkpoint import checkpoint_dirs, checkpoint_step, load_latest_checkpoint
 from agentrl.toolservers.client import ToolClient
 
 
@@ -131,55 +132,13 @@ def test_tool_services_go_where_the_tool_resource_is_and_die_with_their_host(tmp
         cluster.shutdown()
 
 
-CONFIG = """
-minutes = 4.0
-[tasks.options]
-heldout_num = 6
-heldout_hops = [1]
-transfer_num = 0
-num_train = 64
-[[tasks.options.curriculum]]
-hops = [1]
-[services]
-tools = ["search"]
-search_replicas = 2
-[env]
-worked_example = true
-max_turns = 2
-max_action_tokens = 48
-max_total_tokens = 2048
-[orchestrator]
-group_size = 4
-max_concurrent_episodes = 16
-max_groups_in_flight = 4
-max_staleness = 2
-[sft]
-enabled = false
-[learner]
-tokens_per_step = 2048
-checkpoint.every = 1
-staleness_bound = 8
-anchor.coef = 0.0
-[learner.trainer]
-train_layers = 1
-train_embeddings = false
-max_row_tokens = 2048
-[eval]
-every_s = 100000.0
-baselines = false
-[cluster]
-launcher = "ray"
-[cluster.tools]
-resource = "agentrl_tools"
-[cluster.inference]
-resource = "agentrl_inference"
-cpus = 2
-[cluster.learner]
-resource = "agentrl_learner"
-cpus = 2
-[cluster.actor]
-resource = "agentrl_actor"
-"""
+# Over tests/tiny_run.toml: two search replicas, every role placed by Ray on the node its resource
+# names. The budget is an upper bound: each run case ends the run itself (a killed driver, the last
+# inference node removed) once it has what it checks, and the slower machine kind needs the room.
+SETS = ("minutes=10.0", "services.search_replicas=2", 'cluster.launcher="ray"', 'cluster.tools.resource="agentrl_tools"',
+        'cluster.inference.resource="agentrl_inference"', "cluster.inference.cpus=2",
+        'cluster.learner.resource="agentrl_learner"', "cluster.learner.cpus=2", 'cluster.actor.resource="agentrl_actor"')
+
 
 
 def _metric_lines(path: Path) -> list[dict]:
@@ -205,11 +164,8 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
 
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "learner": {"agentrl_learner": 1},
                                "spare": {"agentrl_learner": 1}, "tools": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
-    config = tmp_path / "ray.toml"
-    config.write_text(CONFIG)
     out = tmp_path / "run"
-    argv = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
-            "--ray-address", cluster.address]
+    argv = train_argv(*SETS, out=out, extra=("--ray-address", cluster.address))
     _private_mounts(monkeypatch, tmp_path)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
@@ -264,8 +220,11 @@ def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver
         proc.wait(timeout=30)
 
     try:
+        # One more RL step, then the final evaluation.
+        resume_step = checkpoint_step(checkpoint_dirs(out / "rl" / "checkpoints")[-1])
         resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out),
-                                  "--set", "minutes=1.0", "--ray-address", cluster.address],  # the rest of RL, then the final evaluation
+                                  "--set", "minutes=2.0", "--set", f"learner.max_steps={resume_step + 1}",
+                                  "--ray-address", cluster.address],
                                  capture_output=True, text=True, timeout=900)
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         summary = json.loads(resumed.stdout.strip().splitlines()[-1])
@@ -299,13 +258,10 @@ def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "inference2": {"agentrl_inference": 1},
                                "learner": {"agentrl_learner": 1}, "tools": {"agentrl_tools": 2},
                                "tools2": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
-    config = tmp_path / "ray.toml"
-    config.write_text(CONFIG)
     out = tmp_path / "run"
     _private_mounts(monkeypatch, tmp_path)
     try:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out),
-                                 "--ray-address", cluster.address, "--set", "cluster.place_timeout_s=30"],
+        proc = subprocess.Popen(train_argv(*SETS, "cluster.place_timeout_s=30", out=out, extra=("--ray-address", cluster.address)),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()

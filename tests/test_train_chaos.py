@@ -1,4 +1,4 @@
-"""Chaos: `agentrl train` over two vLLM servers, one SIGKILLed mid-RL. The run must finish on the
+"""Chaos: `agentrl train` over two vLLM servers, one SIGKILLed mid-RL (and without SFT: it reads no demonstration). The run must finish on the
 other (the orchestrator retires the dead server and retries its turns; the learner's push marks it
 down and keeps pushing to the live one), print its JSON line, and lose no group: every group the
 actor sent is trained exactly once (ledger = the groups listed by the surviving lineage's metrics),
@@ -11,52 +11,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.runs import train_argv
 
 from agentrl.learner.checkpoint import load_latest_checkpoint
 
-CONFIG = """
-minutes = 4.0
-[tasks.options]
-heldout_num = 4
-heldout_hops = [1]
-transfer_num = 0
-num_train = 48
-[services]
-tools = ["search"]
-[env]
-max_turns = 2
-max_action_tokens = 48
-max_total_tokens = 2048
-[orchestrator]
-group_size = 4
-max_concurrent_episodes = 16
-max_groups_in_flight = 4
-max_staleness = 2
-[sft]
-enabled = false
-[learner]
-anchor.coef = 0.0  # the demonstration anchor trains on the SFT cold start's demonstrations: none here
-tokens_per_step = 2048
-checkpoint.every = 1
-staleness_bound = 8
-max_steps = 5  # 3 steps after the kill, then RL ends rather than run out the budget
-[learner.trainer]
-train_layers = 1
-train_embeddings = false
-max_row_tokens = 2048
-# No SFT: the untrained model seldom calls a tool, so nearly every group has equal rewards, and
-# dynamic sampling could drop them all and leave no step to test (one run dropped all 79 groups).
-[learner.trainer.advantage]
-dynamic_sampling = false
-[eval]
-every_s = 100000.0
-baselines = false
-"""
+NO_DEMONSTRATION_ENV = Path(__file__).resolve().parent / "fixtures" / "envs" / "no_demonstration.py:NoDemonstrationQAEnv"
 
 
 def _metric_lines(path: Path) -> list[dict]:
@@ -64,20 +27,21 @@ def _metric_lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.timeout(1800)
-def test_train_finishes_when_one_of_two_servers_is_killed(tmp_path, model_dir):
+def test_train_finishes_when_one_of_two_servers_is_killed(tmp_path, model_dir, shared_server):
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
-    servers = [VLLMServer(VLLMServerConfig(model_dir=str(model_dir)), log_path=tmp_path / f"vllm{i}.log") for i in range(2)]
+    # The survivor is the session's server; the doomed one is started here.
+    doomed = VLLMServer(VLLMServerConfig(model_dir=str(model_dir)), log_path=tmp_path / "doomed.log")
     try:
-        for server in servers:
-            server.start(timeout_s=float(os.environ.get("AGENTRL_TEST_VLLM_START_TIMEOUT_S", 400)))
-        config = tmp_path / "chaos.toml"
-        config.write_text(CONFIG)
+        doomed.start(timeout_s=float(os.environ.get("AGENTRL_TEST_VLLM_START_TIMEOUT_S", 400)))
         out = tmp_path / "run"
-        argv = [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)]
-        for server in servers:
-            argv += ["--vllm", server.base_url]
+        # RL ends at step 5: 3 steps after the kill, rather than run out the budget. And a run without
+        # SFT reads no demonstration: its environment's demonstration() raises, and the anchor's
+        # coefficient, set, is turned off by the one key sft.enabled = false.
+        argv = train_argv("learner.max_steps=5", f'env.class="{NO_DEMONSTRATION_ENV}"', "learner.anchor.coef=0.3",
+                          out=out, extra=("--vllm", shared_server.base_url, "--vllm", doomed.base_url))
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             metrics = out / "rl" / "metrics.jsonl"
@@ -85,7 +49,7 @@ def test_train_finishes_when_one_of_two_servers_is_killed(tmp_path, model_dir):
             while time.monotonic() < deadline and len(_metric_lines(metrics)) < 2 and proc.poll() is None:
                 time.sleep(1.0)
             assert len(_metric_lines(metrics)) >= 2, proc.stdout.read()[-3000:] if proc.poll() is not None else "no RL steps"
-            servers[1]._proc.kill_group()  # SIGKILL the server, its engine core and workers
+            doomed._proc.kill_group()  # SIGKILL the server, its engine core and workers
             output, _ = proc.communicate(timeout=1200)
         finally:
             if proc.poll() is None:
@@ -93,9 +57,9 @@ def test_train_finishes_when_one_of_two_servers_is_killed(tmp_path, model_dir):
                 proc.wait(timeout=30)
         assert proc.returncode == 0, output[-4000:]
     finally:
-        for server in servers:
-            server.stop()
+        doomed.stop()
 
+    assert "demonstration anchor off" in output  # and the environment was never asked for a demonstration
     summary = json.loads(output.strip().splitlines()[-1])
     assert summary["optimizer_steps"] >= 3 and summary["episodes"] > 0
     state = load_latest_checkpoint(out / "rl" / "checkpoints")

@@ -24,55 +24,18 @@ import time
 from pathlib import Path
 
 import pytest
+from support.runs import train_argv
 
 from agentrl.common.proctable import all_processes, descendants, same_process
-from agentrl.learner.checkpoint import load_latest_checkpoint
+from agentrl.learner.checkpoint import checkpoint_dirs, checkpoint_step, load_latest_checkpoint
 
-CONFIG = """
-minutes = 9.0  # after set-up: baseline evaluation, SFT, RL and the final evaluation (the test kills the run mid-RL)
-[tasks.options]
-heldout_num = 6
-heldout_hops = [1]
-transfer_num = 3  # 3-hop, held-out split
-num_train = 64
-demonstration_hops = [1]
-[[tasks.options.curriculum]]
-hops = [1]
-[services]
-tools = ["search"]
-search_replicas = 2
-[env]
-worked_example = true  # after 2 SFT steps the example is what gets the policy to call tools at all
-max_turns = 2
-max_action_tokens = 48
-max_total_tokens = 2048
-[orchestrator]
-group_size = 4
-max_concurrent_episodes = 16
-max_groups_in_flight = 4
-max_staleness = 2
-[sft]
-enabled = true
-num_examples = 16
-steps = 2
-[sft.learner]
-tokens_per_step = 2048
-[learner]
-tokens_per_step = 2048
-checkpoint.every = 1
-staleness_bound = 8
-anchor.coef = 0.1  # the SFT demonstrations trained beside each RL step, through the learner's restart
-anchor.tokens_per_step = 512
-[learner.trainer]
-train_layers = 1
-train_embeddings = false
-max_row_tokens = 2048
-[eval]
-every_s = 100000.0
-baselines = false
-without_tools = true  # the opt-in diagnostics after the budget, guarded here
-transfer = true
-"""
+# Over tests/tiny_run.toml: the cold start, and through the learner's restart the SFT demonstrations
+# trained beside each RL step (the anchor); two search replicas; the opt-in diagnostics after the
+# budget, guarded here. The test kills the run mid-RL, so the budget is only an upper bound.
+SETS = ("minutes=9.0", "tasks.options.transfer_num=3", "services.search_replicas=2", "sft.enabled=true",
+        "learner.anchor.coef=0.1", "learner.anchor.tokens_per_step=512",
+        "learner.trainer.advantage.dynamic_sampling=true", "eval.without_tools=true", "eval.transfer=true")
+
 
 
 class LineReader:
@@ -106,8 +69,6 @@ def _metric_lines(path: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_train_survives_killed_search_replica_and_learner(tmp_path):
-    config = tmp_path / "tiny.toml"
-    config.write_text(CONFIG)
     # Started from one working directory with a relative --out, resumed from another with another
     # HOME (standing in for a second host that mounts the run directory).
     host_a, host_b, home_b = tmp_path / "host_a", tmp_path / "host_b", tmp_path / "home_b"
@@ -115,7 +76,7 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
         folder.mkdir()
     out = host_a / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", "run"],
+        train_argv(*SETS, out="run"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=host_a,
     )
     reader = LineReader(proc.stdout)
@@ -162,8 +123,10 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     # it needs may live in the first one's working directory or HOME (the model is prepared again
     # in the new HOME; the checkpoints, spool, ledger and anchor are in the run directory).
     # It resumes with two vLLM servers (services.vllm_replicas) where the run had one.
+    # RL ends one step after the checkpoint it resumes from (the budget is only an upper bound).
+    resume_step = checkpoint_step(checkpoint_dirs(out / "rl" / "checkpoints")[-1])
     resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", "../host_a/run", "--set", "minutes=2.5",
-                              "--set", "services.vllm_replicas=2"],
+                              "--set", "services.vllm_replicas=2", "--set", f"learner.max_steps={resume_step + 1}"],
                              capture_output=True, text=True, timeout=1500, cwd=host_b,
                              env={**{k: v for k, v in os.environ.items() if k != "AGENTRL_CACHE"}, "HOME": str(home_b)})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

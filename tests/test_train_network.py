@@ -11,7 +11,6 @@ import asyncio
 import json
 import stat
 import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -21,63 +20,23 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-CONFIG = """
-minutes = 4.0
-[network]
-host = "{host}"
-[tasks.options]
-heldout_num = 6
-heldout_hops = [1]
-num_train = 64
-demonstration_hops = [1]
-[[tasks.options.curriculum]]
-hops = [1]
-[services]
-tools = ["search"]
-[env]
-worked_example = true
-max_turns = 2
-max_action_tokens = 48
-max_total_tokens = 2048
-[orchestrator]
-group_size = 4
-max_concurrent_episodes = 16
-max_groups_in_flight = 4
-[sft]
-enabled = true
-num_examples = 16
-steps = 2
-[sft.learner]
-tokens_per_step = 2048
-[learner]
-tokens_per_step = 2048
-anchor.coef = 0.0
-max_steps = 4  # RL ends at step 4 (SFT's steps count: SFT seldom fits this budget), before the budget
-[learner.trainer]
-train_layers = 1
-max_row_tokens = 2048
-[learner.trainer.advantage]
-dynamic_sampling = false
-[eval]
-every_s = 100000.0
-baselines = false
-baseline_questions = 0
-[cluster.learner]
-ranks = 2  # torchrun, two ranks on this host: rank 0 binds the learner's sockets and pushes
-"""
+# Over tests/tiny_run.toml (with network.host): the cold start, then RL until step 4 (SFT's steps
+# count: SFT seldom fits this budget), before the budget; the learner as two torchrun ranks, rank 0
+# binding the learner's sockets and pushing.
+SETS = ("sft.enabled=true", "learner.max_steps=4", "eval.baseline_questions=0", "cluster.learner.ranks=2")
+
 
 
 def test_a_run_off_loopback_provisions_its_credentials_and_trains_through_them(tmp_path):
     from support.network import routable_address
+    from support.runs import train_argv
     from support.synthetic import make_group
 
     host = routable_address()
     if host is None:
         pytest.skip("this machine has no non-loopback IPv4 address to bind")
-    config = tmp_path / "net.toml"
-    config.write_text(CONFIG.format(host=host))
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--config", str(config), "--out", str(out)],
+    proc = subprocess.Popen(train_argv(f'network.host="{host}"', *SETS, out=out),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # While the RL learner runs: a client without the keys sends a well-formed group; no answer comes.
