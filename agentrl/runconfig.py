@@ -230,6 +230,8 @@ class TrainConfig:
             raise ValueError(f"minutes={self.minutes} must be > 0")
         if not 0 <= self.rl_min_share < 1:
             raise ValueError(f"rl_min_share={self.rl_min_share} must be in [0, 1)")
+        if self.env.worked_example == "auto":  # rewards alone: the untrained model calls tools only after one
+            self.env.worked_example = not self.sft.enabled
 
 
 @dataclass

@@ -273,7 +273,7 @@ class Supervisor:
     def prompt(self) -> dict:
         """What the policy sees before each task: system prompt, worked example, tool schemas."""
         env = self.conn.env
-        examples = env.example_messages() if env.config.worked_example else ()
+        examples = env.example_messages() if env.config.shows_worked_example else ()
         return {"system_prompt": env.system_prompt, "example_messages": [list(m) for m in examples],
                 "tools": [t.schema() for t in env.tools.values()], "user_prefix": env.user_prefix}
 

@@ -179,7 +179,7 @@ def export_job(config, data_dir: Path, prompts_per_step: int, num_train: int) ->
         "files": files,
         "prompt_prefix": [{"role": "system", "content": env.system_prompt}] + [
             {"role": role, "content": content.removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
-             if role == "tool" else content} for role, content in (env.example_messages() if config.env.worked_example else ())],
+             if role == "tool" else content} for role, content in (env.example_messages() if config.env.shows_worked_example else ())],
         "env": {k: getattr(config.env, k) for k in ("max_turns", "max_total_tokens", "max_action_tokens", "min_action_tokens",
                                                    "max_calls_per_turn", "max_calls_per_episode")},
         "recipe": {

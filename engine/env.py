@@ -107,15 +107,22 @@ class EnvConfig:
     tool_list: Literal["json", "signature"] = "json"
     """How the system prompt lists the tools: "json" (whole schemas) or "signature" (one short line
     each); see chat.system_prompt."""
-    worked_example: bool = True
+    worked_example: bool | Literal["auto"] = "auto"
     """Put the environment's worked example (`example_messages()`; the QA one is ~200 tokens) between
     the system message and the task. SmolLM2 needs it to call tools at all untrained; a policy
-    cold-started on demonstrations does not, and every episode is then that much shorter."""
+    cold-started on demonstrations does not, and every episode is then that much shorter. "auto":
+    shown when the run has no SFT cold start (`sft.enabled = false`, rewards alone), not after one
+    (`agentrl train` resolves it); an environment used outside a run shows it (`shows_worked_example`)."""
     rewards: R.ProcessRewardConfig = field(default_factory=R.ProcessRewardConfig)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.max_action_tokens < 1 or self.max_total_tokens <= self.max_action_tokens:
             raise ValueError("EnvConfig needs max_turns >= 1, max_action_tokens >= 1 and max_total_tokens > max_action_tokens")
+
+    @property
+    def shows_worked_example(self) -> bool:
+        """Whether episodes start with the worked example ("auto" unresolved by a run: yes)."""
+        return self.worked_example is not False
 
 
 @dataclass
@@ -358,7 +365,7 @@ class ToolEnv:
         return f"{self.intro()}\n<tools>\n{list_tools([t.schema() for t in self.tools.values()], self.config.tool_list)}\n</tools>"
 
     def reset(self, task: Task) -> EpisodeState:
-        examples = self.example_messages_for(task) if self.config.worked_example else ()
+        examples = self.example_messages_for(task) if self.config.shows_worked_example else ()
         cached = self._prefixes.get(examples)
         if cached is None:
             # The same for every episode with these examples, so built and tokenized once (and

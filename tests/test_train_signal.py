@@ -39,6 +39,18 @@ def test_the_status_text_names_equal_groups_and_groups_without_task_reward():
         "no episode has earned task reward in the last 60 groups"
 
 
+def test_one_key_turns_a_run_to_rewards_alone():
+    """`sft.enabled = false` alone: the worked example ("auto") is shown, the anchor is turned off by
+    the RL phase (tests/test_learner_anchor.py); with SFT it is not shown; an explicit value wins."""
+    default = load_run_config().config
+    assert default.sft.enabled and default.env.worked_example is False
+    alone = load_run_config(sets=["sft.enabled=false"]).config
+    assert alone.env.worked_example is True and alone.env.shows_worked_example
+    assert alone.env.options["worked_examples"] == [2, 1]  # the 2-hop example, then the 1-hop one
+    assert load_run_config(sets=["sft.enabled=false", "env.worked_example=false"]).config.env.worked_example is False
+    assert load_run_config(sets=["env.worked_example=true"]).config.env.worked_example is True
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
