@@ -9,10 +9,15 @@ more, in seconds.
    tools are described and registered with the environment, and nothing is called; every process
    started is stopped by PID before the command returns;
 5. the environment's demonstration of one task per split (held-out, training) parses as actions
-   that call tools the services offer, with arguments their schemas accept, and ends with an answer.
+   that call tools the services offer, with arguments their schemas accept, and ends with an answer;
+   then it is replayed through the environment with the real tools and scored by `reward()`: it must
+   reach the environment's `max_score` in its `score_metric` (a demonstration that scores less would
+   teach the policy to fail), `reward()` must not raise (its last frame is named) and must return
+   the `score_metric`;
+6. every key of the environment's `report_by` is in the metadata of at least one held-out task.
 
 Exit 0 with a summary, or 2 with the problem (the key or file:line, and the fix). No vLLM server
-is started and no episode is played.
+is started; the only episodes played are the demonstrations'.
 """
 
 from __future__ import annotations
@@ -90,9 +95,13 @@ async def check(config, workdir: Path, say=print) -> list[str]:
             by_service = [f"{s.name} ({len(s.endpoints)} replica{'s' if len(s.endpoints) > 1 else ''})" for s in remote]
             lines.append(f"tools: {', '.join(sorted(env.tools))}" + (f" from {', '.join(by_service)}" if by_service else ""))
             lines.append(check_prompts(env, taskset.heldout))
+            lines.extend(check_report_by(env, taskset.heldout))
             for split, tasks in (("held-out", taskset.heldout[:1]), ("training", train)):
                 for task in tasks:
-                    lines.append(check_demonstration(env, task, split, sft=config.sft.enabled))
+                    line, actions = check_demonstration(env, task, split, sft=config.sft.enabled)
+                    if actions is not None:
+                        line += "; " + await score_demonstration(env, task, actions, split)
+                    lines.append(line)
     finally:
         await asyncio.to_thread(services.stop)
         say(f"stopped {len(services.procs)} tool service process{'es' if len(services.procs) != 1 else ''}")
@@ -120,14 +129,15 @@ def check_prompts(env, tasks) -> str:
             f"task; longest {longest[0]} ({longest[1]}) of env.max_total_tokens = {env.config.max_total_tokens}")
 
 
-def check_demonstration(env, task, split: str, *, sft: bool) -> str:
+def check_demonstration(env, task, split: str, *, sft: bool) -> tuple[str, list[str] | None]:
     """The environment's demonstration of `task` parses, calls only offered tools with arguments
-    their schemas accept, and ends with an answer; nothing is run."""
+    their schemas accept, and ends with an answer; nothing is run. The summary line and the actions
+    (None: the environment has no demonstration)."""
     where = f"env.class: the demonstration of {split} task {task.task_id!r}"
     actions = _hook(lambda: env.demonstration(task), f"demonstration(task {task.task_id!r})")
     if actions is None:
         note = "; the SFT cold start is skipped (sft.enabled = false, or write demonstration())" if sft else ""
-        return f"demonstration ({split} {task.task_id}): none{note}"
+        return f"demonstration ({split} {task.task_id}): none{note}", None
     if not actions:
         raise CheckError(f"{where} is empty; return None for no demonstration, or the action texts")
     calls = []
@@ -147,4 +157,49 @@ def check_demonstration(env, task, split: str, *, sft: bool) -> str:
             raise CheckError(f"{where}: action {i} answers, and {len(actions) - 1 - i} more follow it; end with the answer")
     if env.final_answer(env.parser.parse(actions[-1]), actions[-1], True) is None:
         raise CheckError(f"{where} does not end with an answer (env.parser.format_answer)")
-    return f"demonstration ({split} {task.task_id}): {len(actions)} actions, calls {', '.join(calls) or 'none'}, then an answer"
+    return f"demonstration ({split} {task.task_id}): {len(actions)} actions, calls {', '.join(calls) or 'none'}, then an answer", actions
+
+
+async def score_demonstration(env, task, actions: list[str], split: str) -> str:
+    """The demonstration of `task` replayed through the environment and its real tools, scored by its
+    `reward()`; CheckError unless it reaches `env.max_score` in `env.score_metric`."""
+    from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
+
+    where = f"env.class: the demonstration of {split} task {task.task_id!r}"
+    traj = await run_episode(env, task, ScriptedPolicy(env, actions), SamplingConfig(temperature=0.0),
+                             group_id=f"check-{task.task_id}")
+    if traj.status != "ok":
+        cause = last_frame(traj.error) if traj.error else f"it ended {traj.status} (env.max_turns = {env.config.max_turns}, " \
+                                                           f"env.max_total_tokens = {env.config.max_total_tokens})"
+        raise CheckError(f"{where} failed when replayed with the real tools: {cause}")
+    metric = env.score_metric
+    if metric not in traj.metrics:
+        returned = sorted(k for k in traj.metrics if not k.startswith(("process/", "num_")))
+        raise CheckError(f"env.class: score_metric = {metric!r} is not among the metrics reward() returns "
+                         f"({', '.join(returned) or 'none'}): set score_metric to one of them, or return it in "
+                         f"Reward(metrics={{{metric!r}: ...}})")
+    score = float(traj.metrics[metric])
+    if score < env.max_score:
+        raise CheckError(f"{where} scores {metric} = {score:g} when replayed with the real tools, below the "
+                         f"environment's max_score = {env.max_score:g}: SFT would teach the policy to fail it. Fix "
+                         "demonstration() or reward(), or set the class's max_score if the most a task can earn is less")
+    return f"replayed with the real tools, {metric} = {score:g}"
+
+
+def last_frame(error: str) -> str:
+    """The exception and the last frame of a traceback in an episode's error text."""
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    frames = [line.strip() for line in lines if line.lstrip().startswith('File "')]
+    if not frames:
+        return lines[-1] if lines else error
+    return f"{lines[-1].strip()} (last frame: {frames[-1]})"
+
+
+def check_report_by(env, tasks) -> list[str]:
+    """Every `report_by` key is in some held-out task's metadata (the report breaks scores down by it)."""
+    for key in env.report_by:
+        if not any(key in task.metadata for task in tasks):
+            have = sorted({k for task in tasks for k in task.metadata})
+            raise CheckError(f"env.class: report_by names {key!r}, which no held-out task's metadata has (they have: "
+                             f"{', '.join(have) or 'no metadata'}); remove it or add it to the tasks' metadata")
+    return [f"report by: {', '.join(env.report_by)}"] if env.report_by else []

@@ -27,7 +27,8 @@ looks inside a task. The hooks (override what you need; docs/ENVIRONMENTS.md has
 
 and class attributes: `Options` (the dataclass `[env.options]` is checked against),
 `required_tools` (built-in tool services it needs started), `score_metric` (the trajectory
-metric reported as the held-out score), `report_by` (metadata keys to break scores down by),
+metric reported as the held-out score), `max_score` (its value on a solved task, 1.0 unless set;
+`agentrl check` holds demonstrations to it), `report_by` (metadata keys to break scores down by),
 `summary_metrics` (trajectory metrics the run's JSON line also reports before training, after SFT
 and at the end, as METRIC_before, METRIC_sft, METRIC_after).
 
@@ -235,6 +236,8 @@ class ToolEnv:
     """Built-in tool services (search, python, calculator) the environment needs started."""
     score_metric: str = "score"
     """The trajectory metric reported as the held-out score (score_before / score_after)."""
+    max_score: float = 1.0
+    """The `score_metric` of a solved task; `agentrl check` refuses a demonstration that scores less."""
     report_by: tuple[str, ...] = ()
     """Task metadata keys by which held-out scores are also broken down (e.g. "num_hops")."""
     summary_metrics: tuple[str, ...] = ()

@@ -101,3 +101,39 @@ def test_a_demonstration_that_calls_a_tool_the_services_lack_is_named(travel, tm
     assert proc.returncode == 2, proc.stdout
     assert "the demonstration of held-out task 'travel-heldout-0'" in proc.stderr
     assert "unknown tool 'get_wether'" in proc.stderr
+
+
+# Four configs that `check` once passed and that would each have wasted a whole run.
+WASTEFUL = [
+    pytest.param('return [*calls, self.parser.format_answer(json.dumps(task.reference))]',
+                 'return [*calls, self.parser.format_answer(json.dumps({k: "nowhere" for k in task.reference}))]',
+                 ["the demonstration of held-out task 'travel-heldout-0' scores correct = 0 when replayed with the real tools",
+                  "below the environment's max_score = 1"], id="demonstrations-score-0"),
+    pytest.param('        right = sum(', '        right = 1 / 0 + sum(',
+                 ["the demonstration of held-out task 'travel-heldout-0' failed when replayed with the real tools",
+                  "ZeroDivisionError: division by zero", "in reward"], id="reward-raises"),
+    pytest.param('score_metric = "correct"', 'score_metric = "corect"',
+                 ["score_metric = 'corect' is not among the metrics reward() returns (correct, fields_right, valid_json)"],
+                 id="misspelt-score-metric"),
+    pytest.param('report_by = ("kind",)', 'report_by = ("kind", "difficulty")',
+                 ["report_by names 'difficulty', which no held-out task's metadata has"], id="report-by-in-no-task"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "said"), WASTEFUL)
+def test_a_config_that_would_waste_a_run_exits_2_naming_why(travel, tmp_path, old, new, said):
+    source = (travel / "travel.py").read_text()
+    assert old in source
+    (travel / "travel.py").write_text(source.replace(old, new))
+    proc = agentrl_check(travel / "config.toml", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    for text in said:
+        assert text in proc.stderr, proc.stderr
+
+
+def test_the_demonstrations_are_scored_with_the_real_tools(travel, tmp_path):
+    proc = agentrl_check(travel / "config.toml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "demonstration (held-out travel-heldout-0): 2 actions, calls get_weather" in proc.stdout
+    assert proc.stdout.count("replayed with the real tools, correct = 1") == 2  # held-out and training
+    assert "report by: kind" in proc.stdout
