@@ -5,7 +5,10 @@ every way that can fail into a ConfigError naming the config key, so a bad name 
 start, before any server. The module may also be a file, "path/to/module.py:name" (relative to the
 working directory): it is imported once under a name derived from its absolute path, so a file
 that holds an environment and its task loader is one module, and every process of a run (they
-share the working directory) imports the same file. `build_options(owner, data, key)` validates a plug-in's options table
+share the working directory) imports the same file. Its folder is added to the end of `sys.path`
+first, so the file imports the modules beside it (`from units import convert` in `my_env/env.py`
+imports `my_env/units.py`) as a script run with `python` would; a sibling whose name an installed
+package already has loses to that package (rename the sibling). `build_options(owner, data, key)` validates a plug-in's options table
 against the dataclass the plug-in declares as its `Options` attribute.
 """
 
@@ -66,6 +69,8 @@ def _import_file(path: str, key: str):
     name = "agentrl_plugin_" + hashlib.sha1(str(file).encode()).hexdigest()[:12] + "_" + file.stem
     if name in sys.modules:
         return sys.modules[name]
+    if str(file.parent) not in sys.path:  # its sibling modules (module docstring)
+        sys.path.append(str(file.parent))
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

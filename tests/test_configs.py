@@ -330,3 +330,18 @@ def test_a_key_that_moved_is_refused_naming_where_it_went(tmp_path, table, old, 
     config.write_text(f"[{table}]\n{old} = 1\n")
     with pytest.raises(ConfigError, match=rf"old.toml: {table}.{old}: this key moved; write it as {table}.{new}$"):
         load_run_config(config)
+
+
+def test_a_plugin_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """`from units import ...` in a plug-in file loaded by path finds units.py in the file's folder,
+    from any working directory (engine/plugins.py)."""
+    from agentrl.engine.plugins import resolve
+
+    folder = tmp_path / "unit_env"
+    folder.mkdir()
+    (folder / "units_for_plugin_test.py").write_text("FACTORS = {'km': 1000.0}\n")
+    (folder / "env.py").write_text("from units_for_plugin_test import FACTORS\n\nclass UnitEnv:\n    factors = FACTORS\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert resolve(f"{folder}/env.py:UnitEnv", "env.class").factors == {"km": 1000.0}
+    assert str(folder) == sys.path[-1]
