@@ -55,10 +55,12 @@ def final_eval_reserve_s(evals: list[dict], *, in_budget: bool) -> float:
     with the actor and run slower; Naive RAG generates one turn only), plus 30 s; 120 s stand in for
     an evaluation when none ran yet. A baseline on a subset of the held-out tasks (`subset_of`)
     counts scaled by the square root of the whole set's size over the subset's: the episodes run
-    concurrently, and a larger batch uses the server better (slower kind, issue 40: the untrained
-    policy's 16 episodes took 168 s, 2.7 s per turn; the RL policy's 64 took 252 s, 1.4 s per turn;
-    scaled linearly, the reserve of 871 s left 10 minutes of a rewards-alone run unused). 0 when
-    evaluations are outside the budget."""
+    concurrently, and a larger batch uses the server better. The one measurement behind it (slower
+    kind, issue 40, rewards alone): the untrained policy's 16 episodes took 168 s, 2.7 s per turn,
+    and the RL policy's 64 took 252 s, 1.4 s per turn (different policies, so batch size and policy
+    are not separated); scaled linearly, the reserve of 871 s left 9 of the run's 32 minutes unused,
+    and with the square root the next run (seed 1) used 31.0 of them. 0 when evaluations are outside
+    the budget."""
     if not in_budget:
         return 0.0
     durations = [e["eval_s"] * math.sqrt(e.get("subset_of", e["n"]) / e["n"]) for e in evals

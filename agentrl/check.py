@@ -163,18 +163,17 @@ def check_demonstration(env, task, split: str, *, sft: bool) -> tuple[str, list[
 async def score_demonstration(env, task, actions: list[str], split: str) -> str:
     """The demonstration of `task` replayed through the environment and its real tools, scored by its
     `reward()`; CheckError unless it reaches `env.max_score` in `env.score_metric`."""
-    from agentrl.engine.episode import SamplingConfig, ScriptedPolicy, run_episode
+    from agentrl.engine.episode import DemonstrationError, play
 
     where = f"env.class: the demonstration of {split} task {task.task_id!r}"
-    traj = await run_episode(env, task, ScriptedPolicy(env, actions), SamplingConfig(temperature=0.0),
-                             group_id=f"check-{task.task_id}")
-    if traj.status != "ok":
-        cause = last_frame(traj.error) if traj.error else f"it ended {traj.status} (env.max_turns = {env.config.max_turns}, " \
-                                                           f"env.max_total_tokens = {env.config.max_total_tokens})"
-        raise CheckError(f"{where} failed when replayed with the real tools: {cause}")
+    try:  # as the SFT cold start plays it
+        traj = await play(env, task, actions, group_id=f"check-{task.task_id}")
+    except DemonstrationError as err:
+        cause = last_frame(err.error) if err.error else str(err)
+        raise CheckError(f"{where} failed when replayed with the real tools: {cause}") from None
     metric = env.score_metric
     if metric not in traj.metrics:
-        returned = sorted(k for k in traj.metrics if not k.startswith(("process/", "num_")))
+        returned = sorted(k for k in traj.metrics if not k.startswith(("process/", "num_")) and k != "gold")  # the engine's own
         raise CheckError(f"env.class: score_metric = {metric!r} is not among the metrics reward() returns "
                          f"({', '.join(returned) or 'none'}): set score_metric to one of them, or return it in "
                          f"Reward(metrics={{{metric!r}: ...}})")

@@ -90,15 +90,24 @@ class ScriptedPolicy:
         return Generation(ids, [0.0] * len(ids), "stop", [-1] * len(ids), "scripted")
 
 
+class DemonstrationError(ValueError):
+    """Scripted actions that do not make a complete, successful episode; `error` is the failed
+    episode's own error text (an environment's traceback), or None."""
+
+    def __init__(self, message: str, error: str | None = None):
+        super().__init__(message)
+        self.error = error
+
+
 async def play(env: ToolEnv, task: Task, actions: list[str], *, group_id: str) -> Trajectory:
-    """`actions` played through the environment and its real tools; raises if they do not end the
-    episode cleanly (a demonstration must be a complete, successful episode)."""
+    """`actions` played through the environment and its real tools; DemonstrationError if they do
+    not end the episode cleanly (a demonstration must be a complete, successful episode)."""
     if env.config.max_turns < len(actions):
-        raise ValueError(f"env.max_turns={env.config.max_turns} < {len(actions)} turns this demonstration needs")
+        raise DemonstrationError(f"env.max_turns={env.config.max_turns} < {len(actions)} turns this demonstration needs")
     traj = await run_episode(env, task, ScriptedPolicy(env, actions), SamplingConfig(temperature=0.0), group_id=group_id)
     if traj.status != "ok":
-        raise ValueError(f"the demonstration of task {task.task_id} did not end with an answer "
-                         f"(status {traj.status}: {traj.error or 'turn or token limit'})")
+        raise DemonstrationError(f"the demonstration of task {task.task_id} did not end with an answer "
+                                 f"(status {traj.status}: {traj.error or 'turn or token limit'})", traj.error)
     traj.metrics["gold"] = 1.0
     return traj
 
