@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import os
 import signal
 import sys
@@ -70,6 +71,7 @@ from agentrl.learner.distributed import (
     RankGroup,
     close_distributed,
     die_with_launcher,
+    end_rank,
     init_distributed,
     launched_world_size,
 )
@@ -373,6 +375,7 @@ def main(argv: list[str]) -> int:
     if launched_world_size() == 1:
         return asyncio.run(Learner(config, Solo(config, device)).run())
     die_with_launcher()
+    faulthandler.enable()  # a native abort in a rank prints every thread's Python stack to its log
     rank, world = init_distributed(config.dist_timeout_s, device)
     print(f"learner rank {rank}/{world} pid {os.getpid()}", file=sys.stderr, flush=True)
     group = RankGroup(rank, world)
@@ -383,6 +386,6 @@ def main(argv: list[str]) -> int:
         else:
             code = follow(config, device, group)
         completed = code == 0
-        return code
     finally:
         close_distributed(completed)
+    end_rank(code)

@@ -22,6 +22,7 @@ if __name__ == "__main__":  # run as a script by torchrun (with -P: the tests fo
 from agentrl.learner.batching import PackedPolicy, Sample, build_micro_batches  # noqa: E402
 from agentrl.learner.distributed import (  # noqa: E402
     close_distributed,
+    end_rank,
     equalise_micro_batches,
     full_state,
     init_distributed,
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         completed = True
     finally:
         close_distributed(completed)
-    return 0
+    end_rank(0)
 
 
 if __name__ == "__main__":
