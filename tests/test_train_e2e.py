@@ -5,7 +5,7 @@ SFT learner, then the RL learner and the actor; the test SIGKILLs one search rep
 learner mid-run: the run restarts the learner (which resumes from its checkpoint and spool). Then
 it SIGKILLs `agentrl train` itself: within 10 s no process of the run may be left (the watchdog),
 and `--resume` must finish the run (with two vLLM servers, `services.vllm_replicas`: both take the
-learner's weights and serve episodes) and print its JSON line. The final ledger must show every group
+learner's weights and serve episodes, each on cores of its own) and print its JSON line. The final ledger must show every group
 trained exactly once: the metrics of the surviving lineage list each group id at one step only,
 and those are the ledger's groups.
 """
@@ -135,9 +135,12 @@ def test_train_survives_killed_search_replica_and_learner(tmp_path):
     assert (home_b / ".cache" / "agentrl" / "models").is_dir()
     servers = [line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("vLLM server: ")]
     assert len(set(servers)) == 2, resumed.stdout[-3000:]
+    bound = set()
     for log in ("vllm-0.log", "vllm-1.log"):  # each took the learner's weights and served episodes
         text = (out / "logs" / log).read_text()
         assert "Reloading weights inplace" in text and re.search(r"Running: [1-9]\d* reqs", text), log
+        bound.add(re.search(r"core ids=\[(.*?)\]", text).group(1))
+    assert len(bound) == 2, bound  # on cores of their own (engine.serve.split_cores)
     assert summary["optimizer_steps"] >= 2 + 2  # SFT steps + RL steps across the restart
     assert summary["episodes"] > 0
     assert Path(summary["report"]).is_file()
