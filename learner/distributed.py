@@ -120,11 +120,13 @@ def end_rank(code: int) -> NoReturn:
     """End a torchrun rank's process with `code` now, skipping the interpreter's teardown.
 
     Called after `close_distributed`, when the rank's work is done and its files are closed. CI saw
-    a rank that had left the process group cleanly (barrier, then destroy) abort in that teardown
-    ("terminate called without an active exception", SIGABRT): the native objects of gloo and FSDP
-    are freed in an order their threads do not expect. torchrun then stopped the other rank and
-    reported the run as failed after it had finished. Nothing is left to save at this point, so the
-    rank flushes its output and exits at once."""
+    a rank abort on its way out after a clean stop (its "stopped at rank 0's request" printed, then
+    "terminate called without an active exception", SIGABRT), and torchrun then stopped the other
+    rank and failed a run that had finished. The log cannot tell whether the abort came in
+    `destroy_process_group` or in the interpreter's teardown, where gloo's and FSDP's native objects
+    are freed in an order their threads may not expect; this removes the second, and `faulthandler`
+    (enabled in the learner's ranks) prints the Python stacks of the first if it comes. Nothing is
+    left to save at this point, so the rank flushes its output and exits at once."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
