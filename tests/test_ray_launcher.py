@@ -7,14 +7,12 @@ actor runs in a mount namespace of its own, with an empty /tmp and /dev/shm, as 
    address and answer calls; one whose process crashes on a live node is started again there at its
    endpoint; a host actor killed takes its role's process with it (its watchdog) and reads as lost;
    a role no node can take stops with the resources it asked for.
-2. A whole `agentrl train --launcher ray` run over five nodes (inference, learner, a spare learner,
-   tools, actor): the learner's node is removed mid-RL and the learner starts again on the spare
-   from its checkpoint; then the driver is SIGKILLed and no process of the run may be left 30 s
-   later; `--resume` finishes the run, and every group is trained exactly once.
-3. The vLLM server's host actor killed: the server is placed again. A lost inference node: its
-   server starts again on the other inference node and training goes on;
-   with no inference node left, the run stops saying so.
-4. Learner ranks (`cluster.learner.ranks`): one placement group, torchrun on each bundle's node with
+2. A whole `agentrl train --launcher ray` run over seven nodes, every loss in turn: the learner's
+   node (the learner moves to a spare, from its checkpoint), the server's node and a tools node (each
+   service moves to the other node of its kind), the driver (SIGKILL: no process of the run left
+   30 s later); `--resume` trains on, and with its last inference node removed the run stops saying
+   so. Every group is trained exactly once.
+3. Learner ranks (`cluster.learner.ranks`): one placement group, torchrun on each bundle's node with
    a static rendezvous at bundle 0's; a rank's node lost, a new gang resumes from the checkpoint.
 """
 
@@ -141,6 +139,14 @@ SETS = ("minutes=10.0", "services.search_replicas=2", 'cluster.launcher="ray"', 
 
 
 
+def _weight_version(url: str) -> str:
+    import urllib.request
+
+    # A server answers once the push it is taking (paused meanwhile) has landed.
+    with urllib.request.urlopen(url + "/weight_info", timeout=120) as answer:
+        return json.loads(answer.read())["weight_version"]
+
+
 def _metric_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
@@ -158,184 +164,169 @@ def _wait_line(lines: list[str], text: str, proc: subprocess.Popen, timeout_s: f
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
-def test_a_run_on_a_ray_cluster_survives_a_lost_learner_node_and_a_killed_driver(tmp_path, monkeypatch):
-    import threading
-
-    cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "learner": {"agentrl_learner": 1},
-                               "spare": {"agentrl_learner": 1}, "tools": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
-    out = tmp_path / "run"
-    argv = train_argv(*SETS, out=out, extra=("--ray-address", cluster.address))
-    _private_mounts(monkeypatch, tmp_path)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
-    node_of = {node.node_id[:12]: name for name, node in nodes.items()}
-    try:
-        started = _wait_line(lines, "started learner-rl", proc, 900)
-        for line in lines:  # every role on the node its resource names
-            if " on node " in line:
-                node = node_of[line.split(" on node ")[1].split()[0]]
-                kind = ("tools" if "tool service" in line else "inference" if "vLLM" in line else
-                        "actor" if "started actor" in line else "learner")
-                assert node == kind or (kind, node) == ("learner", "spare"), line
-        first = node_of[started.split(" on node ")[1].split()[0]]
-        other = {"learner": "spare", "spare": "learner"}[first]
-        metrics = out / "rl" / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(_metric_lines(metrics)) < 2:
-            time.sleep(1.0)
-        assert len(_metric_lines(metrics)) >= 2, "\n".join(lines[-30:])
-
-        # The learner's node is lost: the learner starts again on the other learner node, from its checkpoint.
-        cluster.remove_node(nodes[first])
-        mark = len(lines)
-        moved = _wait_line(lines, "placed again on node", proc, 120, start=mark)
-        assert any("restarting it (restart 1)" in line for line in lines[mark:]), "\n".join(lines[mark:])  # learner_restarts == 1
-        restarted = _wait_line(lines, "started learner-rl", proc, 120, start=mark)
-        assert node_of[restarted.split(" on node ")[1].split()[0]] == other, moved
-        trained_before = len(_metric_lines(metrics))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(_metric_lines(metrics)) <= trained_before:
-            time.sleep(1.0)
-        assert len(_metric_lines(metrics)) > trained_before, "\n".join(lines[-30:])
-        # It binds ports of its new node; the actor followed it there through the service directory.
-        group_endpoint, version_endpoint = json.loads((out / "services.json").read_text())["learner"]
-        actor_log = (out / "logs" / "actor.log").read_text()
-        assert f"answers at {group_endpoint} now" in actor_log and f"answers at {version_endpoint} now" in actor_log, actor_log[-3000:]
-
-        # SIGKILL the driver: Ray ends its host actors, whose watchdogs stop every process of the run.
-        table = all_processes()
-        role_pids = {int(line.split("(pid ")[1].split(")")[0].split(",")[0]) for line in lines[mark:] + lines[:mark] if "(pid " in line}
-        run_pids = [pid for pid in descendants(role_pids, table)] + [pid for pid in role_pids if pid in table]
-        alive_roles = [pid for pid in role_pids if pid in table]
-        assert len(alive_roles) >= 5, (role_pids, "\n".join(lines))  # vLLM, 2 search, learner, actor
-        _private(alive_roles)  # nothing of one role reaches another by a path in /tmp or /dev/shm
-        proc.kill()
-        left = _gone_within(run_pids, 30)
-        assert not left, f"30 s after SIGKILL of the driver, still alive: {left}"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-    try:
-        # One more RL step, then the final evaluation.
-        resume_step = checkpoint_step(checkpoint_dirs(out / "rl" / "checkpoints")[-1])
-        resumed = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out),
-                                  "--set", "minutes=2.0", "--set", f"learner.max_steps={resume_step + 1}",
-                                  "--ray-address", cluster.address],
-                                 capture_output=True, text=True, timeout=900)
-        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-        assert summary["optimizer_steps"] >= 3 and summary["episodes"] > 0  # RL steps across the moved learner and the resume
-        # Exactly once: the last record of each step up to the checkpoint lists each group once, and
-        # those are the ledger's.
-        state = load_latest_checkpoint(out / "rl" / "checkpoints")
-        final_step = int(state["step"])
-        last_record_of_step = {r["step"]: r for r in _metric_lines(out / "rl" / "metrics.jsonl")}
-        seen = [g for step, r in sorted(last_record_of_step.items()) if step <= final_step for g in r.get("group_ids", [])]
-        assert seen and len(seen) == len(set(seen)), "a group was trained at two steps"
-        assert set(seen) == set(state["ledger"]["trained"])
-    finally:
-        cluster.shutdown()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_lost_inference_and_tools_nodes_services_start_again_on_other_nodes_and_with_none_left_the_run_stops(tmp_path, monkeypatch):
-    """The vLLM server's host actor is killed (its Ray worker, SIGKILL): its watchdog stops the
-    server, and the server is placed again on an inference node and takes the learner's weights.
-    Then the server's node and a tools node are removed mid-RL: the server starts again on the other
-    inference node at an endpoint of that node (another port: the old one means nothing there), the
-    run's service directory says so, the actor's pool and the learner follow it (the learner pushes
-    it the latest weights), the search replica of the lost tools node starts again at an endpoint of
-    the other tools node and the actor's tool client follows it, and training goes on; then the
-    second inference node is removed too, and with no inference node left the run stops, saying
-    which server, where, and how to continue, rather than fail every episode until its budget ends."""
+@pytest.mark.timeout(1800)
+def test_a_run_on_a_ray_cluster_survives_lost_hosts_and_nodes_and_a_killed_driver_and_stops_with_no_inference_left(
+        tmp_path, monkeypatch):
+    """One run over seven nodes (two inference, a learner and a spare, two tools, the actor), every
+    loss in turn, each checked before the next (a host actor killed alone, whose watchdog stops its
+    role, is the placement case's):
+    - the learner's node removed: the learner starts again on the spare from its checkpoint (one
+      restart), at ports of that node, and the actor follows it through the service directory;
+    - the server's node and a tools node removed: the server starts again on the other inference node
+      at an endpoint of that node, the search replica of the lost node on the other tools node, the
+      directory says so, the actor's pool, its tool client and the learner follow (the learner pushes
+      the latest weights), and training goes on;
+    - the driver SIGKILLed: Ray ends its host actors, whose watchdogs stop every process of the run
+      within 30 s;
+    - `--resume` places the run again and trains on; then the last inference node is removed, and the
+      run stops saying which server, where, and how to continue, rather than fail every episode
+      until its budget ends. Every group is trained exactly once across all of it."""
     import threading
 
     cluster, nodes = _cluster({"inference": {"agentrl_inference": 1}, "inference2": {"agentrl_inference": 1},
-                               "learner": {"agentrl_learner": 1}, "tools": {"agentrl_tools": 2},
-                               "tools2": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
+                               "learner": {"agentrl_learner": 1}, "spare": {"agentrl_learner": 1},
+                               "tools": {"agentrl_tools": 2}, "tools2": {"agentrl_tools": 2}, "actor": {"agentrl_actor": 1}})
+    kind_of_node = {node.node_id[:12]: {"inference2": "inference", "spare": "learner", "tools2": "tools"}.get(name, name)
+                    for name, node in nodes.items()}
+    name_of_node = {node.node_id[:12]: name for name, node in nodes.items()}
     out = tmp_path / "run"
+    metrics = out / "rl" / "metrics.jsonl"
     _private_mounts(monkeypatch, tmp_path)
+
+    def node_in(line: str) -> str:
+        return line.split(" on node ")[1].split()[0]
+
+    def pid_in(line: str) -> int:
+        return int(line.split("(pid ")[1].split(")")[0].split(",")[0])
+
+    def a_step_after(trained: int, lines: list[str], why: str) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(_metric_lines(metrics)) <= trained:
+            time.sleep(1.0)
+        assert len(_metric_lines(metrics)) > trained, f"no RL step after {why}:\n" + "\n".join(lines[-30:])
+
     try:
         proc = subprocess.Popen(train_argv(*SETS, "cluster.place_timeout_s=30", out=out, extra=("--ray-address", cluster.address)),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         lines: list[str] = []
         threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
         try:
-            _wait_line(lines, "started actor", proc, 600)
-            metrics = out / "rl" / "metrics.jsonl"
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and not _metric_lines(metrics):
-                time.sleep(1.0)
-            # The server's host actor killed: its Ray worker is the server's parent.
+            _wait_line(lines, "started actor", proc, 900)
+            for line in lines:  # every role on a node of the kind its resource names
+                if " on node " in line:
+                    kind = ("tools" if "tool service" in line else "inference" if "vLLM" in line else
+                            "actor" if "started actor" in line else "learner")
+                    assert kind_of_node[node_in(line)] == kind, line
+            a_step_after(0, lines, "the start")
+
             served = next(line for line in lines if line.startswith("vLLM server:"))
-            server_pid = int(served.split("(pid ")[1].split(")")[0])
-            host_worker = read_proc(server_pid).ppid
+            url = served.split()[2]
+
+            # 1. The learner's node lost: the learner starts again on the other learner node, from its checkpoint.
+            learner_node = node_in(next(line for line in lines if line.startswith("started learner-rl")))
+            trained = len(_metric_lines(metrics))
             mark = len(lines)
-            os.kill(host_worker, signal.SIGKILL)
-            assert not _gone_within([server_pid], 30), "the server outlived its host actor"
-            served = _wait_line(lines, " again (pid ", proc, 300, start=mark)
-            assert served.startswith("vLLM server: "), served
-            assert any("was lost (its node, or the Ray actor that held it)" in line for line in lines[mark:])
-            # (That training goes on and the learner pushes to a server that moved is checked below, after the node's loss.)
-            url, server_pid = served.split()[2], int(served.split("(pid ")[1].split(")")[0])
-            first = next(name for name in ("inference", "inference2") if f"on node {nodes[name].node_id[:12]}" in served)
-            other = "inference2" if first == "inference" else "inference"
-            server_tree = [server_pid, *descendants({server_pid}, all_processes())]
+            cluster.remove_node(nodes[name_of_node[learner_node]])
+            moved = _wait_line(lines, "placed again on node", proc, 120, start=mark)
+            assert any("restarting it (restart 1)" in line for line in lines[mark:]), "\n".join(lines[mark:])
+            restarted = _wait_line(lines, "started learner-rl", proc, 120, start=mark)
+            assert node_in(restarted) != learner_node and kind_of_node[node_in(restarted)] == "learner", moved
+            a_step_after(trained, lines, "the learner started again")
+            group_endpoint, version_endpoint = json.loads((out / "services.json").read_text())["learner"]
+            actor_log = (out / "logs" / "actor.log").read_text()
+            assert f"answers at {group_endpoint} now" in actor_log and f"answers at {version_endpoint} now" in actor_log, \
+                actor_log[-3000:]
+
+            # 2. The server's node and a tools node lost: each service starts again on the other node of its kind.
+            server_node = node_in(served)
+            other = next(node for node, kind in kind_of_node.items() if kind == "inference" and node != server_node)
+            server_tree = [pid_in(served), *descendants({pid_in(served)}, all_processes())]
             replicas = {line.split()[2] + line.split()[3]: line.split()[4] for line in lines
                         if line.startswith("tool service search #") and f"on node {nodes['tools'].node_id[:12]}" in line}
             assert replicas, "no search replica on the tools node:\n" + "\n".join(lines)  # SPREAD: one on each
+            trained = len(_metric_lines(metrics))
             mark = len(lines)
-            cluster.remove_node(nodes[first])
+            cluster.remove_node(nodes[name_of_node[server_node]])
             cluster.remove_node(nodes["tools"])
-            _wait_line(lines, f"the vLLM server on node {nodes[first].node_id[:12]}", proc, 60, start=mark)
+            _wait_line(lines, f"the vLLM server on node {server_node}", proc, 60, start=mark)
             # "vLLM server: URL on node ID (ADDRESS) again (pid N)"
-            again = _wait_line(lines, f"on node {nodes[other].node_id[:12]} (", proc, 300, start=mark)
+            again = _wait_line(lines, f"on node {other} (", proc, 300, start=mark)
             assert again.startswith("vLLM server: ") and " again (pid " in again, again
             new_url = again.split()[2]
             assert new_url != url, again
-            moved = {}
+            moved_replicas = {}
             for name, endpoint in replicas.items():  # "search#1:" -> tool-search-1
                 slot = "tool-search-" + name.removeprefix("search#").rstrip(":")
                 line = _wait_line(lines, f"tool service {slot}: ", proc, 120, start=mark)
                 assert f"on node {nodes['tools2'].node_id[:12]} (" in line and " again (pid " in line, line
-                moved[endpoint] = line.split()[3]
+                moved_replicas[endpoint] = line.split()[3]
             directory = json.loads((out / "services.json").read_text())
-            assert directory["inference"] == [new_url] and set(moved.values()) <= set(directory["tools/search"])
-            assert not set(moved) & set(directory["tools/search"])
+            assert directory["inference"] == [new_url] and set(moved_replicas.values()) <= set(directory["tools/search"])
+            assert not set(moved_replicas) & set(directory["tools/search"])
             assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
-            trained = len(_metric_lines(metrics))
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and len(_metric_lines(metrics)) <= trained:
+            a_step_after(trained, lines, "the server started again")
+            deadline = time.monotonic() + 120  # it takes the learner's weights (pushed in the background)
+            while (served_version := _weight_version(new_url)) in ("default", "0") and time.monotonic() < deadline:
                 time.sleep(1.0)
-            assert len(_metric_lines(metrics)) > trained, "no RL step after the server started again:\n" + "\n".join(lines[-30:])
-            import urllib.request
-
-            with urllib.request.urlopen(new_url + "/weight_info", timeout=10) as answer:  # it took the learner's weights
-                assert json.loads(answer.read())["weight_version"] not in ("default", "0")
+            assert served_version not in ("default", "0"), served_version
             actor_log = (out / "logs" / "actor.log").read_text()
             assert f"inference server {url} answers at {new_url} now" in actor_log, actor_log[-3000:]
-            for old_endpoint, endpoint in moved.items():
+            for old_endpoint, endpoint in moved_replicas.items():
                 assert f"replica {old_endpoint} now answers at {endpoint}" in actor_log, actor_log[-3000:]
             learner_log = (out / "logs" / "learner-rl.log").read_text()
             assert f"server {url} answers at {new_url} now" in learner_log, learner_log[-3000:]
-            new_pid = int(again.split("(pid ")[1].split(")")[0])
-            server_tree = [new_pid, *descendants({new_pid}, all_processes())]
-            cluster.remove_node(nodes[other])
+
+            # 3. SIGKILL the driver: Ray ends its host actors, whose watchdogs stop every process of the run.
+            table = all_processes()
+            role_pids = {pid_in(line) for line in lines if "(pid " in line}
+            run_pids = [*descendants(role_pids, table), *(pid for pid in role_pids if pid in table)]
+            alive_roles = [pid for pid in role_pids if pid in table]
+            assert len(alive_roles) >= 5, (role_pids, "\n".join(lines))  # vLLM, 2 search, learner, actor
+            _private(alive_roles)  # nothing of one role reaches another by a path in /tmp or /dev/shm
+            proc.kill()
+            left = _gone_within(run_pids, 30)
+            assert not left, f"30 s after SIGKILL of the driver, still alive: {left}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+        # 4. `--resume` trains on (RL would end 3 steps after its checkpoint); after its first step the
+        # last inference node is removed, and the run stops saying so.
+        resume_step = checkpoint_step(checkpoint_dirs(out / "rl" / "checkpoints")[-1])
+        trained = len(_metric_lines(metrics))
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "agentrl.cli", "train", "--resume", str(out), "--set", "minutes=4.0",
+                                 "--set", f"learner.max_steps={resume_step + 3}", "--ray-address", cluster.address],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        lines = []
+        threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in proc.stdout), daemon=True).start()
+        try:
+            served = _wait_line(lines, "vLLM server: ", proc, 600)
+            assert node_in(served) == other, served
+            a_step_after(trained, lines, "the resume")
+            server_tree = [pid_in(served), *descendants({pid_in(served)}, all_processes())]
+            mark = len(lines)
+            cluster.remove_node(nodes[name_of_node[other]])
             assert proc.wait(timeout=180) != 0
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         time.sleep(1.0)  # the reader thread drains the pipe
-        text = "\n".join(lines[mark:])  # since the nodes' removal
-        assert f"the vLLM server on node {nodes[other].node_id[:12]}" in text, text[-3000:]
-        assert f"agentrl train --resume {out}" in text and "could not be started again" in text
+        text = "\n".join(lines[mark:])  # since the node's removal
+        assert f"the vLLM server on node {other}" in text, text[-3000:]
+        assert f"agentrl train --resume {out}" in text and "could not be started again" in text, text[-3000:]
         assert not _gone_within(server_tree, 30), "the lost node's server outlived it"
+
+        # Exactly once: the last record of each step up to the last checkpoint lists each group once,
+        # and those are the ledger's; the resume trained at least one step beyond its checkpoint.
+        state = load_latest_checkpoint(out / "rl" / "checkpoints")
+        final_step = int(state["step"])
+        assert final_step > resume_step
+        last_record_of_step = {r["step"]: r for r in _metric_lines(metrics)}
+        seen = [g for step, r in sorted(last_record_of_step.items()) if step <= final_step for g in r.get("group_ids", [])]
+        assert seen and len(seen) == len(set(seen)), "a group was trained at two steps"
+        assert set(seen) == set(state["ledger"]["trained"])
     finally:
         cluster.shutdown()
 
