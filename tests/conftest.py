@@ -15,6 +15,21 @@ import pytest
 
 from agentrl.common.model import prepare_model
 
+HEAVY_FIXTURES = frozenset({"vllm_server", "shared_server"})
+"""Fixtures that hold the session's real vLLM server."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh runs the suite on two pytest-xdist workers (`--dist loadgroup`). Every test
+    that uses the session's vLLM server, starts one of its own or starts a whole run (marked `slow`,
+    and not `beside_runs`) goes to one of them, in collection order: that worker holds the one
+    shared server, and no two runs compete for the 2 cores (their budgets are wall time). The other
+    worker takes the rest, which would otherwise wait behind them."""
+    for item in items:
+        heavy = item.get_closest_marker("slow") is not None and item.get_closest_marker("beside_runs") is None
+        if heavy or item.get_closest_marker("vllm") or HEAVY_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def eval_cache_dir(tmp_path_factory) -> Path:

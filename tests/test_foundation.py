@@ -62,6 +62,7 @@ def test_prepare_model_is_idempotent(model_dir):
     assert (model_dir / model_mod.COMPLETE_MARKER).stat().st_mtime_ns == marker_mtime
 
 
+@pytest.mark.beside_runs
 @pytest.mark.slow
 def test_prepare_model_distrusts_half_written_folders(tmp_path):
     target = tmp_path / "model"
@@ -387,6 +388,7 @@ def test_control_endpoint_rule():
         assert allowed(path, "10.1.2.3", "s3cret", "s3cret")[0]
 
 
+@pytest.mark.slow
 def test_serve_model_cli_starts_and_stops_without_orphans(model_dir, tmp_path):
     """`agentrl serve-model`: the token rule of the control endpoints, a clean stop on SIGTERM with
     nothing left. The server is a fresh one, so it also checks that a fresh CPU server's first request
