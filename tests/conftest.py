@@ -19,16 +19,32 @@ HEAVY_FIXTURES = frozenset({"vllm_server", "shared_server"})
 """Fixtures that hold the session's real vLLM server."""
 
 
+def pytest_addoption(parser):
+    parser.addoption("--part", choices=("all", "processes", "rest"), default="all",
+                     help="run only the tests that use the session's vLLM server or start servers or runs "
+                          "('processes'), or only the others ('rest'); scripts/test.sh runs the two side by side")
+
+
+def in_processes_part(item) -> bool:
+    """Whether a test uses the session's vLLM server, or is `slow` (starts a vLLM server of its own or
+    a whole run) and not marked `beside_runs`."""
+    if item.get_closest_marker("vllm") or HEAVY_FIXTURES & set(item.fixturenames):
+        return True
+    return item.get_closest_marker("slow") is not None and item.get_closest_marker("beside_runs") is None
+
+
 def pytest_collection_modifyitems(config, items):
-    """scripts/test.sh runs the suite on two pytest-xdist workers (`--dist loadgroup`). Every test
-    that uses the session's vLLM server, starts one of its own or starts a whole run (marked `slow`,
-    and not `beside_runs`) goes to one of them, in collection order: that worker holds the one
-    shared server, and no two runs compete for the 2 cores (their budgets are wall time). The other
-    worker takes the rest, which would otherwise wait behind them."""
-    for item in items:
-        heavy = item.get_closest_marker("slow") is not None and item.get_closest_marker("beside_runs") is None
-        if heavy or item.get_closest_marker("vllm") or HEAVY_FIXTURES & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+    """`--part`: scripts/test.sh runs the suite as two pytest processes side by side. One runs, in
+    order, every test that uses the session's vLLM server or starts servers or runs: it holds the one
+    shared server, and no two runs compete for the 2 cores (their budgets are wall time; run side by
+    side they missed them). The other runs the rest, which would otherwise wait behind them."""
+    part = config.getoption("--part")
+    if part == "all":
+        return
+    keep = [item for item in items if in_processes_part(item) == (part == "processes")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 @pytest.fixture(scope="session", autouse=True)
