@@ -26,9 +26,10 @@ def pytest_addoption(parser):
 
 
 def in_processes_part(item) -> bool:
-    """Whether a test uses the session's vLLM server, or is `slow` (starts a vLLM server of its own or
-    a whole run) and not marked `beside_runs`."""
-    if item.get_closest_marker("vllm") or HEAVY_FIXTURES & set(item.fixturenames):
+    """Whether a test uses the session's vLLM server, is marked `alone` (it judges time too tightly
+    to run beside a run), or is `slow` (starts a vLLM server of its own or a whole run) and not
+    marked `beside_runs`."""
+    if item.get_closest_marker("vllm") or item.get_closest_marker("alone") or HEAVY_FIXTURES & set(item.fixturenames):
         return True
     return item.get_closest_marker("slow") is not None and item.get_closest_marker("beside_runs") is None
 
