@@ -15,9 +15,6 @@ import pytest
 
 from agentrl.common.model import prepare_model
 
-HEAVY_FIXTURES = frozenset({"vllm_server", "shared_server"})
-"""Fixtures that hold the session's real vLLM server."""
-
 
 def pytest_addoption(parser):
     parser.addoption("--part", choices=("all", "processes", "rest"), default="all",
@@ -26,19 +23,17 @@ def pytest_addoption(parser):
 
 
 def in_processes_part(item) -> bool:
-    """Whether a test uses the session's vLLM server, is marked `alone` (it judges time too tightly
-    to run beside a run), or is `slow` (starts a vLLM server of its own or a whole run) and not
-    marked `beside_runs`."""
-    if item.get_closest_marker("vllm") or item.get_closest_marker("alone") or HEAVY_FIXTURES & set(item.fixturenames):
-        return True
-    return item.get_closest_marker("slow") is not None and item.get_closest_marker("beside_runs") is None
+    """Whether a test runs in the processes part: it is marked `run` (a whole `agentrl train`) or
+    `alone` (it judges time too tightly to share the cores with a run)."""
+    return item.get_closest_marker("run") is not None or item.get_closest_marker("alone") is not None
 
 
 def pytest_collection_modifyitems(config, items):
     """`--part`: scripts/test.sh runs the suite as two pytest processes side by side. One runs, in
-    order, every test that uses the session's vLLM server or starts servers or runs: it holds the one
-    shared server, and no two runs compete for the 2 cores (their budgets are wall time; run side by
-    side they missed them). The other runs the rest, which would otherwise wait behind them."""
+    order, the whole runs (and the `alone` tests): no two runs compete for the 2 cores (their
+    budgets are wall time; run side by side they missed them). The other runs the rest, servers
+    of their own and the session server's users among them (requests and pushes, no budget),
+    which would otherwise wait behind them. Each part starts a session server if a test of it asks."""
     part = config.getoption("--part")
     if part == "all":
         return

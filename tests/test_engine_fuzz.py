@@ -132,7 +132,6 @@ def services(tmp_path_factory):
         assert proc.stop() == 0, proc.log_tail()  # the services survived and stop cleanly
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_ten_thousand_adversarial_outputs_fail_no_episode(services):

@@ -62,7 +62,6 @@ def test_prepare_model_is_idempotent(model_dir):
     assert (model_dir / model_mod.COMPLETE_MARKER).stat().st_mtime_ns == marker_mtime
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 def test_prepare_model_distrusts_half_written_folders(tmp_path):
     target = tmp_path / "model"

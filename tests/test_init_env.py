@@ -32,6 +32,7 @@ def test_the_scaffold_passes_check_and_refuses_a_folder_with_files(tmp_path):
         Path(__file__).resolve().parents[1] / "agentrl" / "templates" / "env" / "config.toml").read_text()
 
 
+@pytest.mark.run
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_scaffold_trains_as_written(tmp_path, shared_server):

@@ -378,7 +378,6 @@ def test_run_config_keys_go_in_learner_not_sft_learner(keys, tmp_path):
 # --- a real learner process ------------------------------------------------------------------------
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 async def test_a_learner_process_with_keys_trains_only_what_authorized_actors_send(keys, tmp_path):
     """`agentrl learner` with curve_* keys in its TOML: its version reaches an authorized subscriber

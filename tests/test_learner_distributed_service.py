@@ -166,7 +166,6 @@ async def _send_all(sender: GroupSender, groups) -> None:
         await sender.send(g)
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 async def test_torchrun_service_matches_one_process_resumes_and_stops(tmp_path):
     model_dir = tmp_path / "model"
@@ -251,7 +250,6 @@ async def test_torchrun_service_matches_one_process_resumes_and_stops(tmp_path):
         assert final["policy"][name].sub(tensor).abs().max().item() < 1e-5, name
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 async def test_an_agent_killed_alone_takes_its_rank_and_the_other_rank_does_not_wait(tmp_path):
     """Two torchrun agents of one rank each (a static rendezvous, as on two hosts). SIGKILL agent 1

@@ -22,7 +22,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 def test_fsdp2_two_processes_match_one_process(tmp_path):
     single = {batch: run_check_step(rank=0, world=1, batch=batch) for batch in CHECK_BATCHES}

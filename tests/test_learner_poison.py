@@ -402,7 +402,6 @@ async def test_a_batch_that_trains_nothing_adds_its_wait_and_drops_to_the_next_s
 
 
 # ---- the learner process itself --------------------------------------------------------------------
-@pytest.mark.beside_runs
 @pytest.mark.slow
 async def test_the_learner_process_refuses_poison_trains_the_rest_and_restarts_clean(tmp_path):
     """The issue's poison list through a real `agentrl learner` process: it trains the good groups to

@@ -93,7 +93,6 @@ def _group(i: int):
     return make_group(f"grp-{i:03d}", [1.0, 0.0], prompt_len=5, turns=[(8, 4), (8, 0)], vocab_size=64, seed=i)
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 async def test_sigkill_restart_trains_every_group_exactly_once(tmp_path):
     model_dir = tmp_path / "model"

@@ -163,6 +163,7 @@ def _wait_line(lines: list[str], text: str, proc: subprocess.Popen, timeout_s: f
     raise AssertionError(f"no line with {text!r} within {timeout_s} s (rc {proc.poll()}):\n" + "\n".join(lines[-40:]))
 
 
+@pytest.mark.run
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_run_on_a_ray_cluster_survives_lost_hosts_and_nodes_and_a_killed_driver_and_stops_with_no_inference_left(

@@ -418,15 +418,17 @@ async def test_garbage_in_a_sandboxs_protocol_pipe_restarts_that_sandbox_only(ga
     is answered `sandbox_error` naming the protocol, the slot restarts, the server lives and
     answers the next call. (A well-formed result frame would be taken as the call's result: only
     root on the host can write there, and nothing can tell it from the zygote's.)"""
-    proc = start_toolserver("python", LOCAL, "--workers", "1")
+    # The call would sleep 60 s: the garbage ends it at once, and it is surely still running when the
+    # write lands, however slowly a loaded machine finds the pipe (a 3 s sleep once ended first).
+    proc = start_toolserver("python", LOCAL, "--workers", "1", "--default-timeout-s", "90", "--max-timeout-s", "90")
     try:
         async with ToolClient([proc.endpoint]) as client:
-            running = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(3); print('slept')"}))
+            running = asyncio.create_task(client.call("python", {"code": "import time; time.sleep(60); print('slept')"}))
             await asyncio.sleep(0)
             await client.describe()  # the call is running once this is answered
             with open(_protocol_pipe_of_the_sandbox(proc.pid), "wb") as pipe:
                 pipe.write(garbage)
-            resp = await asyncio.wait_for(running, 10)
+            resp = await asyncio.wait_for(running, 45)
             after = await client.call("python", {"code": "print(6 * 7)"})
         assert not resp.ok and resp.error.type == "sandbox_error" and "protocol" in resp.error.message, resp
         assert after.ok and after.content["stdout"] == "42\n", after

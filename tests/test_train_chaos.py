@@ -26,6 +26,7 @@ def _metric_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.run
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1800)

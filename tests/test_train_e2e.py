@@ -66,6 +66,7 @@ def _metric_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.run
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_train_survives_killed_search_replica_and_learner(tmp_path):

@@ -51,6 +51,7 @@ def test_one_key_turns_a_run_to_rewards_alone():
     assert load_run_config(sets=["env.worked_example=true"]).config.env.worked_example is True
 
 
+@pytest.mark.run
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(900)

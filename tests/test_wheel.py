@@ -90,7 +90,6 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_tree(installed):
     assert "agentrl/phases/rl.py" in names and "agentrl/configs/cpu_default.toml" in names
 
 
-@pytest.mark.beside_runs
 @pytest.mark.slow
 def test_an_installed_wheel_trains_from_outside_the_checkout(installed):
     bin_dir, work, _ = installed
