@@ -41,6 +41,10 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+    if part == "processes":
+        # The runs on the session's server last: that server (4-5 GB resident) starts only then,
+        # not beside the runs that start servers of their own (e2e's resume has two).
+        items.sort(key=lambda item: "vllm_server" in item.fixturenames or "shared_server" in item.fixturenames)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,7 +67,9 @@ def vllm_server(model_dir, tmp_path_factory):
 
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     server = VLLMServer(
-        VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.15),
+        # 1.5 GiB of KV cache (about 34k float32 tokens of this model) rather than a run's 2.5: the
+        # suite's two parts may each hold one of these beside a run's own servers.
+        VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.15, kv_cache_gib=1.5),
         log_path=log_path,
     )
     server.start(timeout_s=float(os.environ.get("AGENTRL_TEST_VLLM_START_TIMEOUT_S", 400)))
