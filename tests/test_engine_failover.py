@@ -25,7 +25,8 @@ async def test_killed_server_loses_no_episode(vllm_server, tokenizer, model_dir,
     world, tasks = synthetic_tasks(num=6, config=SyntheticQAConfig(num_companies=50))
     env = MultiHopQAEnv(ChatFormat(tokenizer), EnvConfig(max_turns=2, max_action_tokens=48))
     env.register_tool(LocalSearchTool(world.passages))
-    doomed = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), max_model_len=2048, gpu_memory_utilization=0.2),
+    doomed = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), max_model_len=2048, gpu_memory_utilization=0.2,
+                                         kv_cache_gib=1.0),
                         log_path=tmp_path / "doomed.log")
     await asyncio.to_thread(doomed.start, 400.0)
     try:

@@ -401,7 +401,7 @@ def test_serve_model_cli_starts_and_stops_without_orphans(model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "agentrl.cli", "serve-model", "--port", str(port), "--gpu-memory-utilization", "0.1",
-         "--log", str(log)],
+         "--kv-cache-gib", "1", "--log", str(log)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
         env=dict(env, AGENTRL_CONTROL_TOKEN="s3cret", TORCHINDUCTOR_CACHE_DIR=str(cache)),
     )

@@ -34,7 +34,7 @@ def test_train_finishes_when_one_of_two_servers_is_killed(tmp_path, model_dir, s
     from agentrl.engine.serve import VLLMServer, VLLMServerConfig
 
     # The survivor is the session's server; the doomed one is started here.
-    doomed = VLLMServer(VLLMServerConfig(model_dir=str(model_dir)), log_path=tmp_path / "doomed.log")
+    doomed = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), kv_cache_gib=1.5), log_path=tmp_path / "doomed.log")
     try:
         doomed.start(timeout_s=float(os.environ.get("AGENTRL_TEST_VLLM_START_TIMEOUT_S", 400)))
         out = tmp_path / "run"

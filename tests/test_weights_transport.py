@@ -45,8 +45,8 @@ def private_server(model_dir, tmp_path_factory):
     if hidden:
         pytest.skip(f"{hidden[0]} lies under /tmp or /dev/shm, which the server's private mounts hide from it (a checkout there "
                     "cannot run this test)")
-    server = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.15),
-                        log_path=tmp_path_factory.mktemp("vllm-private") / "server.log", launcher=PRIVATE_FILES)
+    server = VLLMServer(VLLMServerConfig(model_dir=str(model_dir), dtype="float32", gpu_memory_utilization=0.15,
+                                         kv_cache_gib=1.0), log_path=tmp_path_factory.mktemp("vllm-private") / "server.log", launcher=PRIVATE_FILES)
     server.start(timeout_s=400)
     try:
         yield server
