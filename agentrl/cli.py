@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-env": ("agentrl.init_env:main", "write a working environment folder to start from (tools, env, tasks, config)"),
     "check": ("agentrl.check:main", "check a training config in seconds: tasks, tools started and described, demonstrations"),
     "train": ("agentrl.train:main", "run the whole training job (services, actor, learner)"),
+    "view": ("agentrl.view:main", "browse a run in a local web page: curves, evaluations, episodes token by token"),
+    "rescore": ("agentrl.rescore:main", "score a run's stored episodes again with a changed environment (no model calls)"),
     "export": ("agentrl.export:main", "write a run's policy as a Hugging Face model folder"),
     "gateway": ("agentrl.gateway.cli:main", "serve the OpenAI chat API in front of vLLM, recording sessions' exact tokens"),
     "demo": ("agentrl.demo:main", "serve the model, run token-in/token-out requests and one hot swap"),

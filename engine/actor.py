@@ -37,6 +37,7 @@ from pathlib import Path
 from agentrl.common.config import config_dataclass
 from agentrl.common.curve import ClientKeys, is_local_endpoint, load_client_keys
 from agentrl.common.files import write_atomic
+from agentrl.common.records import EPISODES_FILE, append_group_record
 from agentrl.common.trajectory import TrajectoryGroup
 from agentrl.common.transport import DEFAULT_MAX_GROUP_FRAME_BYTES, GroupSender, VersionSubscriber
 from agentrl.engine.agent import AgentConfig
@@ -75,7 +76,8 @@ class ActorConfig:
     """Largest frame of a group sent, in bytes: the learner's `max_group_frame_bytes` (its MAXMSGSIZE).
     A larger group is dropped here, logged and counted, since the learner's socket would cut it off."""
     out_dir: str = ""
-    """Where stats.jsonl and the task set's files go."""
+    """Where stats.jsonl, the task set's files and the episode records of the groups sent
+    (episodes.jsonl, agentrl/common/records.py) go."""
     tasks: TasksConfig = field(default_factory=TasksConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
@@ -141,6 +143,8 @@ async def run_actor(cfg: ActorConfig, episodes: EpisodesFactory | None = None) -
             async def sink(group: TrajectoryGroup) -> None:
                 await sender.send(group)
                 draws.observe(group)
+                # For `agentrl view` and `agentrl rescore` (agentrl/common/records.py).
+                append_group_record(out / EPISODES_FILE, group, conn.env.chat)
 
             orch = Orchestrator(conn.env, conn.pool.generate, sink, cfg.orchestrator, versions=versions,
                                 run_id=f"rl{int(time.time())}-{os.getpid()}", episodes=runner)

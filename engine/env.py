@@ -198,6 +198,7 @@ class EpisodeState:
             metrics=metrics,
             timing={"generate_s": self.generate_s, "tool_s": self.tool_s, "wall_s": end - self.start_time,
                     "start_time": self.start_time, "end_time": end},
+            task=self.task, messages=list(self.messages), calls=list(self.calls), answer=self.answer,
         )
         traj.validate()
         return traj

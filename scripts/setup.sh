@@ -30,6 +30,17 @@ else
   EXTRAS=${AGENTRL_EXTRAS:-cpu,dev}
 fi
 
+# The page test of `agentrl view` (tests/test_init_env.py) drives a real headless browser: Debian's
+# chromium, installed with the dev extra (the test fails, naming it, where it is missing).
+if [[ ,$EXTRAS, == *,dev,* ]] && ! command -v chromium >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium (the page test's headless browser)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "[setup] chromium is missing and cannot be installed here (needs root + apt-get): the page test will fail." >&2
+  fi
+fi
+
 stamp_inputs=$(cat pyproject.toml setup.py scripts/setup.sh; echo "$EXTRAS")
 stamp_hash=$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)
 stamp="$VENV/.agentrl-setup-$stamp_hash"

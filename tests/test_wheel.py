@@ -88,6 +88,7 @@ def test_the_wheel_holds_every_module_and_data_file_of_the_tree(installed):
     missing = sorted(path for path in _source_files() if path not in names)
     assert not missing, f"the wheel lacks {missing}"
     assert "agentrl/phases/rl.py" in names and "agentrl/configs/cpu_default.toml" in names
+    assert "agentrl/templates/view/episode.html" in names  # agentrl view's pages
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import fields as dataclass_fields
+from typing import Any, Literal
 
 import msgpack
 import msgspec
@@ -55,6 +56,8 @@ ARRAY_FIELDS: tuple[tuple[str, np.dtype], ...] = (
 )
 
 Status = Literal["ok", "truncated", "failed"]
+LOCAL_FIELDS = frozenset({"task", "messages", "calls", "answer"})
+"""Trajectory fields kept where the episode was played and not sent to the learner."""
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -128,6 +131,16 @@ class Trajectory:
     """Per-episode scalars for plots: em, f1, num_turns, num_tool_calls, ..."""
     timing: dict[str, float] = field(default_factory=dict)
     """Seconds: "generate_s", "tool_s", "wall_s", and the unix "start_time"/"end_time"."""
+    # Kept where the episode was played, for the run's episode records (agentrl/common/records.py:
+    # `agentrl view`, `agentrl rescore`); never on the wire to the learner (LOCAL_FIELDS).
+    task: Any = None
+    """The engine.task.Task played, or None."""
+    messages: list = field(default_factory=list)
+    """(role, content, tail) per message, what `token_ids` decodes to (engine.env.EpisodeState.messages)."""
+    calls: list = field(default_factory=list)
+    """The tool calls as the environment's `reward` saw them (engine.env.CallRecord), in order."""
+    answer: Any = None
+    """The final answer the environment parsed; None when the episode ended without one."""
 
     @property
     def num_tokens(self) -> int:
@@ -181,7 +194,8 @@ def encode_group(group: TrajectoryGroup) -> list[bytes]:
     header_trajs = []
     buffers: list[bytes] = []
     for traj in group.trajectories:
-        fields = {k: v for k, v in asdict(traj).items() if k not in dict(ARRAY_FIELDS)}
+        fields = {f.name: getattr(traj, f.name) for f in dataclass_fields(traj)
+                  if f.name not in dict(ARRAY_FIELDS) and f.name not in LOCAL_FIELDS}
         fields["turns"] = [asdict(t) for t in traj.turns]
         header_trajs.append(fields)
         for name, dtype in ARRAY_FIELDS:

@@ -3,7 +3,6 @@ RUN_DIR/evals/), and reused when the served weights are the ones an earlier eval
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 import time
@@ -12,16 +11,8 @@ from pathlib import Path
 
 from agentrl.budget import CLEAN_EVALUATIONS
 from agentrl.common.files import read_jsonl
+from agentrl.common.records import write_episode_records
 from agentrl.engine.evaluation import evaluate
-
-
-def write_episode_texts(path: Path, trajectories, chat) -> None:
-    """One JSON line per episode: task id, status, reward, error and the whole decoded text (the
-    prompt, every action and every tool response), gzip-compressed."""
-    with gzip.open(path, "wt") as f:
-        for t in sorted(trajectories, key=lambda t: t.task_id):
-            f.write(json.dumps({"task_id": t.task_id, "status": t.status, "task_reward": t.task_reward,
-                                "error": t.error, "text": chat.decode(t.token_ids.tolist())}) + "\n")
 
 
 def write_sample(path: Path, trajectories, chat) -> None:
@@ -76,8 +67,8 @@ class Evaluations:
                 f.write(json.dumps({"task_id": t.task_id, "score": t.metrics.get(metric, 0.0), "status": t.status,
                                     **{k: v for k, v in t.metrics.items() if "/" not in k},
                                     "group": {k: str(meta[k]) for k in report_by if k in meta}}) + "\n")
-        if self.conn is not None:  # every episode's text, for reading failures (gzip: ~10x smaller)
-            write_episode_texts(folder / name.replace(".jsonl", ".text.jsonl.gz"), trajectories, self.conn.chat)
+        if self.conn is not None:  # every episode's record (agentrl/common/records.py): view, rescore
+            write_episode_records(folder / name.replace(".jsonl", ".text.jsonl.gz"), trajectories, self.conn.chat)
 
     async def run(self, tasks, label: str, env=None) -> tuple[dict, list]:
         """`evaluate` (engine/evaluation.py) on `tasks`; `env`: another environment (a diagnostic),
