@@ -310,6 +310,10 @@ async def test_an_adapter_push_lands_with_requests_in_flight_and_serves_base_plu
 
 
 @pytest.mark.slow
+# In the processes part: beside the network run its server took a SIGTERM 3 s after that run's
+# two-rank SFT learner stopped (a full check, slower kind; the sender was not found). It always
+# passed there.
+@pytest.mark.alone
 async def test_a_server_on_vllms_lora_path_serves_the_exported_adapter_and_reloads_pushes_in_place(
         model_dir, tokenizer, tmp_path):
     """`services.vllm_server.lora = "vllm"`: a server started with the folder `agentrl export
