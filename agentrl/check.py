@@ -79,6 +79,12 @@ async def check(config, workdir: Path, say=print) -> list[str]:
 
     lines = []
     taskset = load_taskset(config.tasks, workdir / "tasks")
+    if config.sft.enabled:  # the SFT phase draws them all after the baselines: a shortfall would end the run there
+        try:
+            taskset.demonstration_tasks(config.sft.num_examples)
+        except ValueError as err:
+            raise CheckError(f"sft.num_examples = {config.sft.num_examples}: the task set cannot give that many "
+                             f"demonstration tasks ({err}); lower it or enlarge the task set") from None
     train = taskset.demonstration_tasks(1)
     lines.append(f"tasks: {len(taskset.heldout)} held-out, training stream {'starts with ' + train[0].task_id if train else 'empty'}"
                  + (f", {len(taskset.transfer)} transfer" if taskset.transfer else ""))

@@ -137,3 +137,11 @@ def test_the_demonstrations_are_scored_with_the_real_tools(travel, tmp_path):
     assert "demonstration (held-out travel-heldout-0): 2 actions, calls get_weather" in proc.stdout
     assert proc.stdout.count("replayed with the real tools, correct = 1") == 2  # held-out and training
     assert "report by: kind" in proc.stdout
+
+
+def test_more_demonstrations_than_the_task_set_holds_exit_2_before_a_run_spends_its_baseline(tmp_path):
+    # Seen in a run: the SFT phase asked for 1,024 one-hop questions of a world with 1,008, after a
+    # 3-minute baseline evaluation. `check` draws the whole pool now.
+    proc = subprocess.run([sys.executable, "-P", "-m", "agentrl.cli", "check", "--set", "tasks.options.demonstration_hops=[1]"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "sft.num_examples = 1024" in proc.stderr and "1008" in proc.stderr, proc.stderr[-2000:]
