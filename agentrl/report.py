@@ -31,6 +31,29 @@ def evaluation_seconds(evals: list[dict], *, diagnostics: bool = False) -> float
 
 
 def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
+    fig = _figure(title, series, xlabel, ylabel)
+    if fig is None:
+        return None
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def plot_svg(title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str = "") -> str | None:
+    """The same chart as the report's PNGs, as an inline `<svg>` element (agentrl view's pages)."""
+    import io
+
+    fig = _figure(title, series, xlabel, ylabel)
+    if fig is None:
+        return None
+    out = io.StringIO()
+    fig.savefig(out, format="svg")
+    plt.close(fig)
+    text = out.getvalue()
+    return text[text.index("<svg"):]  # without the XML declaration and doctype of a standalone file
+
+
+def _figure(title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str):
     series = {k: v for k, v in series.items() if v[0]}
     if not series:
         return None
@@ -43,9 +66,7 @@ def _plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return fig
 
 
 def eval_records(run: Path, label: str, summary: dict) -> dict[str, float]:
@@ -171,17 +192,9 @@ def failure_table(rows: list[tuple[str, dict | None]]) -> list[str]:
     return lines
 
 
-def write_report(run_dir: str | Path) -> Path:
-    run = Path(run_dir)
-    plots = run / "plots"
-    plots.mkdir(exist_ok=True)
-    phases = json.loads((run / "phases.json").read_text()) if (run / "phases.json").exists() else {}
-    evals = read_jsonl(run / "evals.jsonl")
-    sft = read_jsonl(run / "sft" / "metrics.jsonl")
-    rl = read_jsonl(run / "rl" / "metrics.jsonl")
-    actor = read_jsonl(run / "actor" / "stats.jsonl")
-    images: list[tuple[str, str | None]] = []
-
+def heldout_curves(phases: dict, evals: list[dict]) -> tuple[str, dict[str, tuple[list, list]]]:
+    """The score metric and the held-out curves over minutes since the first evaluation: the score,
+    F1 where there is one, and the score per `report_by` value; baselines and diagnostics left out."""
     t0 = min((e["time"] for e in evals), default=0.0)
     baselines = set(phases.get("baseline", {}).get("baselines", {}))
     tracked = [e for e in evals if e["label"] not in baselines and e["label"] not in DIAGNOSTICS]
@@ -195,14 +208,32 @@ def write_report(run_dir: str | Path) -> Path:
             sel = [e for e in tracked if value in e.get(key, {})]
             curves[f"{metric} {key.removeprefix('by_')}={value}"] = ([(e["time"] - t0) / 60 for e in sel],
                                                                      [e[key][value]["score"] for e in sel])
+    return metric, curves
+
+
+def reward_curves(rl: list[dict]) -> dict[str, tuple[list, list]]:
+    """Each raw reward term's mean per episode over the RL steps (the learner's metrics lines)."""
+    keys = sorted({k for r in rl for k in r if k.startswith("reward/") and not k.startswith("reward/weight")})
+    return {k.removeprefix("reward/"): ([r["step"] for r in rl if k in r], [r[k] for r in rl if k in r]) for k in keys}
+
+
+def write_report(run_dir: str | Path) -> Path:
+    run = Path(run_dir)
+    plots = run / "plots"
+    plots.mkdir(exist_ok=True)
+    phases = json.loads((run / "phases.json").read_text()) if (run / "phases.json").exists() else {}
+    evals = read_jsonl(run / "evals.jsonl")
+    sft = read_jsonl(run / "sft" / "metrics.jsonl")
+    rl = read_jsonl(run / "rl" / "metrics.jsonl")
+    actor = read_jsonl(run / "actor" / "stats.jsonl")
+    images: list[tuple[str, str | None]] = []
+
+    metric, curves = heldout_curves(phases, evals)
     images.append((f"Held-out {metric} over time", _plot(
         plots / "heldout_score.png", f"Held-out {metric} (greedy)", curves, "minutes since the first evaluation")))
-
-    reward_keys = sorted({k for r in rl for k in r if k.startswith("reward/") and not k.startswith("reward/weight")})
     images.append(("Reward terms (RL, per optimizer step; raw means per episode)", _plot(
-        plots / "rewards.png", "Reward terms",
-        {k.removeprefix("reward/"): ([r["step"] for r in rl if k in r], [r[k] for r in rl if k in r]) for k in reward_keys},
-        "learner version (optimizer step)")))
+        plots / "rewards.png", "Reward terms", reward_curves(rl), "learner version (optimizer step)")))
+
     images.append(("Staleness of trained tokens (versions behind the learner)", _plot(
         plots / "staleness.png", "Staleness",
         {"mean": ([r["step"] for r in rl if "staleness/mean" in r], [r["staleness/mean"] for r in rl if "staleness/mean" in r]),

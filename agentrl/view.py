@@ -34,7 +34,6 @@ import tomllib
 from pathlib import Path
 
 from aiohttp import web
-from markupsafe import escape
 
 from agentrl.common.control_auth import is_loopback
 from agentrl.common.records import EPISODES_FILE, read_json_lines
@@ -167,44 +166,6 @@ def steps_of_groups(run: Run) -> dict[str, int]:
     return {gid: int(record["step"]) for record in run.steps() for gid in record.get("group_ids", [])}
 
 
-# --- drawing -----------------------------------------------------------------------------------------
-
-
-def svg_chart(series: dict[str, list[tuple[float, float]]], *, x_label: str, y_label: str,
-              width: int = 560, height: int = 220) -> str:
-    """A small line chart (one polyline per series) as inline SVG."""
-    points = [p for s in series.values() for p in s]
-    if not points:
-        return '<p class="empty">nothing yet</p>'
-    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
-    y0, y1 = min(0.0, min(p[1] for p in points)), max(1.0, max(p[1] for p in points))
-    x1 = x1 if x1 > x0 else x0 + 1
-    left, bottom, top, right = 44, 28, 10, 110
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * (width - left - right)
-
-    def sy(y: float) -> float:
-        return height - bottom - (y - y0) / (y1 - y0) * (height - bottom - top)
-
-    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
-    parts = [f'<svg class="chart" width="{width}" height="{height}" role="img" aria-label="{y_label} over {x_label}">',
-             f'<line x1="{left}" y1="{sy(y0)}" x2="{width - right}" y2="{sy(y0)}" stroke="#888"/>',
-             f'<line x1="{left}" y1="{sy(y0)}" x2="{left}" y2="{top}" stroke="#888"/>',
-             f'<text x="{left - 4}" y="{sy(y1) + 4}" text-anchor="end">{y1:g}</text>',
-             f'<text x="{left - 4}" y="{sy(y0) + 4}" text-anchor="end">{y0:g}</text>',
-             f'<text x="{left}" y="{height - 8}">{x0:.3g}</text>',
-             f'<text x="{width - right}" y="{height - 8}" text-anchor="end">{x1:.3g} {x_label}</text>']
-    for i, (name, pts) in enumerate(series.items()):
-        color = colors[i % len(colors)]
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in sorted(pts))
-        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{coords}"/>')
-        parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}"/>' for x, y in pts]
-        parts.append(f'<text x="{width - right + 6}" y="{top + 14 * (i + 1)}" fill="{color}">{escape(name)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
 def token_spans(segment: dict, advantages_: list[float] | None) -> list[dict]:
     """An action segment's tokens: text, log-prob, probability, version and advantage."""
     out = []
@@ -245,19 +206,14 @@ def make_app(run_dir: Path, token: str | None = None) -> web.Application:
         return response
 
     async def index(request: web.Request) -> web.Response:
-        evals = run.evaluations()
-        steps = run.steps()
-        start = min((e["time"] for e in evals if "time" in e), default=None)
-        held_out: dict[str, list[tuple[float, float]]] = {"held-out score": []}
-        for e in evals:
-            if "time" in e and "score" in e and "subset_of" not in e and e.get("harness", "native") == "native" \
-                    and not str(e.get("label", "")).startswith(("base_", "final_")) and start is not None:
-                held_out["held-out score"].append(((e["time"] - start) / 60, float(e["score"])))
-        rewards = {key: [(float(s["step"]), float(s[key])) for s in steps if isinstance(s.get(key), int | float)]
-                   for key in ("reward/task", "reward/total")}
-        return render("index.html", phases=run.phases(), evals=evals, steps=steps, metric=score_metric(run),
-                      chart_heldout=svg_chart(held_out, x_label="minutes", y_label="held-out score"),
-                      chart_reward=svg_chart({k: v for k, v in rewards.items() if v}, x_label="steps", y_label="sampled reward"),
+        from agentrl.report import heldout_curves, plot_svg, reward_curves
+
+        # The report's own curves and charts (agentrl/report.py), drawn as SVG from what is written so far.
+        phases, evals, steps = run.phases(), run.evaluations(), run.steps()
+        metric, curves = heldout_curves(phases, evals)
+        return render("index.html", phases=phases, evals=evals, steps=steps, metric=metric,
+                      chart_heldout=plot_svg(f"Held-out {metric} (greedy)", curves, "minutes since the first evaluation"),
+                      chart_reward=plot_svg("Reward terms", reward_curves(steps), "learner version (optimizer step)"),
                       num_groups=len(run.groups()))
 
     async def evaluation(request: web.Request) -> web.Response:
@@ -359,15 +315,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1",
                         help=f"address to bind; other than loopback, requests need the token (${TOKEN_ENV}, else one is made and printed)")
     args = parser.parse_args(argv)
+    token = None if is_loopback(args.host) else os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
     try:
-        app = make_app(Path(args.run_dir))
+        app = make_app(Path(args.run_dir), token)
     except NotARun as err:
         print(f"agentrl view: {err}", file=sys.stderr)
         return 2
-    token = None
-    if not is_loopback(args.host):
-        token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
-        app = make_app(Path(args.run_dir), token)
     runner = web.AppRunner(app)
 
     async def serve() -> None:

@@ -100,7 +100,9 @@ async def test_pages_of_a_running_run_and_the_token_off_loopback(tmp_path, chat)
     run = _run_dir(tmp_path, chat)
     async with TestClient(TestServer(make_app(run))) as client:
         index = await client.get("/")
-        assert index.status == 200 and "/eval/final-v3" in await index.text()
+        html = await index.text()
+        assert index.status == 200 and "/eval/final-v3" in html
+        assert '<div id="chart-heldout"><svg' in html and "no RL step yet" in html  # the report's chart, as SVG
         page = await client.get("/episode/eval/final-v3/0")
         html = await page.text()
         assert page.status == 200 and html.count('class="tok policy') == int(_trajectory(chat).is_action.sum())
